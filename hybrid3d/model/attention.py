@@ -1,0 +1,87 @@
+"""Causal self-attention with grouped-query heads, split over TP by heads.
+
+Rank r holds query heads [r*a/t, (r+1)*a/t). Key/value heads:
+- t <= kv heads: each rank holds its kv/t heads (column-parallel k_proj/v_proj);
+- t  > kv heads (t a multiple of kv): each rank needs one kv head, shared by t/kv ranks. The
+  full k/v weights are then replicated on every rank; a rank uses its head's rows, and the
+  weight gradient (non-zero only in those rows) is summed over TP, giving every replica the
+  full gradient (the same rule as a replicated parameter).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from hybrid3d.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    copy_to_tp_region,
+    tensor_parallel_rng,
+)
+from hybrid3d.tensor_parallel.layers import init_shard_, normal_init
+
+
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """kv heads a TP rank computes: kv/t, or 1 when kv heads are replicated (t > kv)."""
+    return num_kv_heads // tp_size if tp_size <= num_kv_heads else 1
+
+
+class ReplicatedKVProjection(nn.Module):
+    """k_proj or v_proj when t > kv heads: full weight on every rank, this rank's head used."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        self.head_dim = shape.head_dim
+        heads_per_kv = shape.num_heads // shape.num_kv_heads  # query heads per kv head
+        first_q_head = tp.rank * (shape.num_heads // tp.size)
+        self.kv_head = first_q_head // heads_per_kv
+        full = (shape.num_kv_heads * shape.head_dim, shape.hidden_size)
+        self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
+        init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
+
+    def forward(self, x):  # (b, s, h) -> (b, s, d)
+        weight = copy_to_tp_region(self.weight, self.tp)  # backward: sum the row-sparse grads over TP
+        rows = weight[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
+        return F.linear(x, rows)
+
+
+class Attention(nn.Module):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        self.head_dim = shape.head_dim
+        self.heads = shape.num_heads // tp.size
+        self.kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp.size)
+        self.dropout = shape.attention_dropout
+        self.inv_freq = inverse_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        init = normal_init(shape.initializer_range)
+        h, d = shape.hidden_size, shape.head_dim
+        kw = dict(device=device, dtype=dtype)
+        # q/k/v share one f operator (applied in forward): one input-grad all-reduce per block.
+        self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, copy_input=False, init_method=init, **kw)
+        if tp.size <= shape.num_kv_heads:
+            self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
+            self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
+        else:
+            self.k_proj = ReplicatedKVProjection(shape, tp, **kw)
+            self.v_proj = ReplicatedKVProjection(shape, tp, **kw)
+        self.o_proj = RowParallelLinear(shape.num_heads * d, h, tp, input_is_parallel=True, init_method=init, **kw)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h)
+        b, s, _ = x.shape
+        x = copy_to_tp_region(x, self.tp)
+        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, a/t, s, d)
+        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/t, s, d)
+        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = rope_cos_sin(self.inv_freq, s, x.device, x.dtype)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng():  # heads differ per TP rank, so must their dropout masks
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 enable_gqa=self.kv_heads != self.heads)
+        out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, a*d/t)
+        return self.o_proj(out)

@@ -1,0 +1,103 @@
+"""The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth).
+
+Only what the model can represent exactly is accepted; anything else is refused with a message
+naming the config field, so a converted model never silently differs from its HF original.
+"""
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class UnsupportedConfigError(ValueError):
+    """The HF config has a field value this model cannot reproduce."""
+
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3")
+
+
+@dataclass(frozen=True)
+class LlamaShape:
+    vocab_size: int
+    hidden_size: int  # h
+    intermediate_size: int
+    num_layers: int  # L
+    num_heads: int  # a
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[dict] = field(default=None, hash=False, compare=False)
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    initializer_range: float = 0.02
+    attention_dropout: float = 0.0
+    vocab_pad_multiple: int = 128
+
+    def __post_init__(self):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if getattr(self, name) < 1:
+                raise UnsupportedConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise UnsupportedConfigError(
+                f"num_attention_heads ({self.num_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads})")
+        if self.head_dim % 2:
+            raise UnsupportedConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+    @property
+    def rope_type(self) -> str:
+        return (self.rope_scaling or {}).get("rope_type", "default")
+
+    @classmethod
+    def from_hf(cls, config, vocab_pad_multiple: int = 128) -> "LlamaShape":
+        """Read a `transformers.LlamaConfig` (transformers 4.x `rope_scaling`/`rope_theta`
+        or 5.x `rope_parameters`)."""
+        model_type = getattr(config, "model_type", "llama")
+        if model_type != "llama":
+            raise UnsupportedConfigError(f"model_type '{model_type}' is not supported (only 'llama')")
+        for flag in ("attention_bias", "mlp_bias"):
+            if getattr(config, flag, False):
+                raise UnsupportedConfigError(f"{flag}=true is not supported (Llama has no biases)")
+        act = getattr(config, "hidden_act", "silu")
+        if act != "silu":
+            raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
+        if getattr(config, "sliding_window", None):
+            raise UnsupportedConfigError("sliding_window is not supported")
+        if getattr(config, "pretraining_tp", 1) not in (None, 1):
+            raise UnsupportedConfigError(f"pretraining_tp={config.pretraining_tp} is not supported (only 1)")
+
+        rope = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+        rope_theta = rope.pop("rope_theta", None) or getattr(config, "rope_theta", None) or 10000.0
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in SUPPORTED_ROPE_TYPES:
+            raise UnsupportedConfigError(
+                f"rope_scaling.rope_type '{rope_type}' is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+        rope_scaling = None
+        if rope_type == "llama3":
+            missing = [k for k in ("factor", "low_freq_factor", "high_freq_factor",
+                                   "original_max_position_embeddings") if k not in rope]
+            if missing:
+                raise UnsupportedConfigError(f"rope_scaling (llama3) lacks {', '.join(missing)}")
+            rope_scaling = {"rope_type": "llama3", **{k: rope[k] for k in (
+                "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            rope_theta=float(rope_theta),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            initializer_range=getattr(config, "initializer_range", 0.02),
+            attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
+            vocab_pad_multiple=vocab_pad_multiple,
+        )

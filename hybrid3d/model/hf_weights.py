@@ -1,0 +1,128 @@
+"""How each Hugging Face Llama tensor maps onto hybrid3d's layers and TP shards.
+
+One table (`param_specs`) drives loading an HF state dict into any TP size and merging TP shards
+back, so the model, the converter and the universal-checkpoint patterns agree on q/k/v layout.
+Shard kinds:
+- vocab:      padded to the model's padded vocabulary, then split along dim 0 (embedding, untied head);
+- column:     split along dim 0 (q/k/v, gate/up);
+- row:        split along dim 1 (o, down);
+- replicated: identical on every TP rank (norms; k/v when tp > kv heads).
+HF's q/k/v rows are already grouped by head in RoPE's half-split order, so contiguous row blocks
+are whole heads and no permutation is needed.
+"""
+
+from dataclasses import dataclass
+
+import deepspeed.comm as dist
+import torch
+import torch.nn.functional as F
+
+from hybrid3d.layout import TensorParallelGroup
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.tensor_parallel import padded_vocab_size
+
+VOCAB, COLUMN, ROW, REPLICATED = "vocab", "column", "row", "replicated"
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    hf_name: str
+    local_name: str  # `<global layer index>.<name>`, as in LlamaSequential and PipelineModule
+    kind: str
+
+
+def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
+    """Every trainable tensor of the model, in HF order."""
+    kv_kind = COLUMN if tp_size <= shape.num_kv_heads else REPLICATED
+    specs = [ParamSpec("model.embed_tokens.weight", "0.weight", VOCAB)]
+    for i in range(shape.num_layers):
+        hf, local = f"model.layers.{i}", str(i + 1)
+        specs += [
+            ParamSpec(f"{hf}.self_attn.q_proj.weight", f"{local}.self_attn.q_proj.weight", COLUMN),
+            ParamSpec(f"{hf}.self_attn.k_proj.weight", f"{local}.self_attn.k_proj.weight", kv_kind),
+            ParamSpec(f"{hf}.self_attn.v_proj.weight", f"{local}.self_attn.v_proj.weight", kv_kind),
+            ParamSpec(f"{hf}.self_attn.o_proj.weight", f"{local}.self_attn.o_proj.weight", ROW),
+            ParamSpec(f"{hf}.mlp.gate_proj.weight", f"{local}.mlp.gate_proj.weight", COLUMN),
+            ParamSpec(f"{hf}.mlp.up_proj.weight", f"{local}.mlp.up_proj.weight", COLUMN),
+            ParamSpec(f"{hf}.mlp.down_proj.weight", f"{local}.mlp.down_proj.weight", ROW),
+            ParamSpec(f"{hf}.input_layernorm.weight", f"{local}.input_layernorm.weight", REPLICATED),
+            ParamSpec(f"{hf}.post_attention_layernorm.weight", f"{local}.post_attention_layernorm.weight", REPLICATED),
+        ]
+    specs.append(ParamSpec("model.norm.weight", f"{shape.num_layers + 1}.weight", REPLICATED))
+    if not shape.tie_word_embeddings:
+        specs.append(ParamSpec("lm_head.weight", f"{shape.num_layers + 2}.weight", VOCAB))
+    return specs
+
+
+def shard_hf_tensor(spec: ParamSpec, tensor: torch.Tensor, shape: LlamaShape, tp_rank: int, tp_size: int):
+    """This TP rank's slice of a full HF tensor."""
+    if spec.kind == REPLICATED:
+        return tensor
+    if spec.kind == VOCAB:
+        padding = padded_vocab_size(shape.vocab_size, tp_size, shape.vocab_pad_multiple) - tensor.shape[0]
+        tensor = F.pad(tensor, (0, 0, 0, padding))  # zero rows appended
+    dim = 1 if spec.kind == ROW else 0
+    return tensor.chunk(tp_size, dim=dim)[tp_rank]
+
+
+def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor], shape: LlamaShape) -> torch.Tensor:
+    """The full HF tensor from all TP ranks' slices (in TP-rank order); strips vocab padding.
+
+    Replicated tensors must agree on every rank: a difference means TP ranks drifted apart."""
+    if spec.kind == REPLICATED:
+        if any(not torch.equal(shard, shards[0]) for shard in shards[1:]):
+            raise ValueError(f"replicated '{spec.local_name}' differs between tensor-parallel ranks")
+        return shards[0]
+    full = torch.cat(shards, dim=1 if spec.kind == ROW else 0)
+    return full[:shape.vocab_size] if spec.kind == VOCAB else full
+
+
+def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: LlamaShape,
+                       tp: TensorParallelGroup) -> None:
+    """Copy HF `LlamaForCausalLM` weights into a TP model's parameters, slicing for this TP rank.
+
+    Works for a LlamaSequential (all layers) or a pipeline stage holding some of them: a parameter
+    whose local name the model lacks is skipped, but every model parameter must be filled.
+    """
+    params = dict(model.named_parameters())
+    filled = set()
+    for spec in param_specs(shape, tp.size):
+        if spec.local_name not in params:
+            continue
+        if spec.hf_name not in hf_state_dict:
+            raise KeyError(f"HF state dict lacks '{spec.hf_name}'")
+        shard = shard_hf_tensor(spec, hf_state_dict[spec.hf_name], shape, tp.rank, tp.size)
+        param = params[spec.local_name]
+        if param.shape != shard.shape:
+            raise ValueError(f"'{spec.hf_name}' gives shape {tuple(shard.shape)} for TP rank {tp.rank}, "
+                             f"but '{spec.local_name}' has {tuple(param.shape)}")
+        with torch.no_grad():
+            param.copy_(shard)
+        filled.add(spec.local_name)
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise KeyError(f"no HF weight maps to {', '.join(unfilled)}")
+
+
+def gather_hf_state_dict(model: torch.nn.Module, shape: LlamaShape, tp: TensorParallelGroup,
+                         grads: bool = False) -> dict:
+    """Full HF-named tensors (or their gradients) of the layers this model holds, gathered over TP.
+
+    A collective over the TP group: every TP rank must call it; each gets the full tensors.
+    """
+    params = dict(model.named_parameters())
+    out = {}
+    for spec in param_specs(shape, tp.size):
+        if spec.local_name not in params:
+            continue
+        local = params[spec.local_name]
+        local = local.grad if grads else local.detach()
+        if local is None:
+            raise ValueError(f"'{spec.local_name}' has no gradient")
+        local = local.contiguous()
+        shards = [local]
+        if tp.size > 1:
+            shards = [torch.empty_like(local) for _ in range(tp.size)]
+            dist.all_gather(shards, local, group=tp.group)
+        out[spec.hf_name] = merge_tp_shards(spec, shards, shape)
+    return out

@@ -1,0 +1,84 @@
+"""The Llama as a flat sequence of layers: embedding, L decoder blocks, final norm, LM head.
+
+The same layer classes serve the single-stage model (`LlamaSequential`) and DeepSpeed's
+PipelineModule, with the same global layer indices, so parameter names agree between them.
+"""
+
+from torch import nn
+
+from hybrid3d.model.attention import Attention
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.mlp import SwiGLU
+from hybrid3d.model.norm import RMSNorm
+from hybrid3d.tensor_parallel import (
+    ColumnParallelLinear,
+    TensorParallelGroup,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+    vocab_parallel_logits,
+)
+from hybrid3d.tensor_parallel.layers import normal_init
+
+
+def padded_vocab_init(shape: LlamaShape):
+    """Real vocabulary rows from N(0, std), padding rows zero (full padded tensor in, in place)."""
+
+    def init(full):
+        normal_init(shape.initializer_range)(full[:shape.vocab_size])
+        full[shape.vocab_size:].zero_()
+
+    return init
+
+
+class Embedding(VocabParallelEmbedding):
+    """Token embedding: (b, s) ids -> (b, s, h)."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__(shape.vocab_size, shape.hidden_size, tp, pad_multiple=shape.vocab_pad_multiple,
+                         init_method=normal_init(shape.initializer_range), device=device, dtype=dtype)
+
+
+class DecoderBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h)."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        kw = dict(device=device, dtype=dtype)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, **kw)
+        self.self_attn = Attention(shape, tp, **kw)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, **kw)
+        self.mlp = SwiGLU(shape, tp, **kw)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class FinalNorm(RMSNorm):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__(shape.hidden_size, shape.rms_norm_eps, device=device, dtype=dtype)
+
+
+class LMHead(ColumnParallelLinear):
+    """Untied output projection: (b, s, h) -> (b, s, V_padded/t) vocab-sharded logits."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        padded = padded_vocab_size(shape.vocab_size, tp.size, shape.vocab_pad_multiple)
+        super().__init__(shape.hidden_size, padded, tp, init_method=padded_vocab_init(shape),
+                         device=device, dtype=dtype)
+
+
+def tied_lm_logits(embedding: Embedding, hidden):
+    """Tied head: logits from the embedding's vocab-sharded weight. (b, s, h) -> (b, s, V_padded/t)."""
+    return vocab_parallel_logits(hidden, embedding.weight, embedding.tp)
+
+
+def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None) -> list[nn.Module]:
+    """[Embedding, DecoderBlock x L, FinalNorm, LMHead (untied only)]."""
+    kw = dict(device=device, dtype=dtype)
+    layers = [Embedding(shape, tp, **kw)]
+    layers += [DecoderBlock(shape, tp, **kw) for _ in range(shape.num_layers)]
+    layers.append(FinalNorm(shape, tp, **kw))
+    if not shape.tie_word_embeddings:
+        layers.append(LMHead(shape, tp, **kw))
+    return layers

@@ -1,0 +1,24 @@
+"""SwiGLU feed-forward (Shazeer 2020): down(silu(gate(x)) * up(x)); gate/up column-, down row-parallel."""
+
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelGroup, copy_to_tp_region
+from hybrid3d.tensor_parallel.layers import normal_init
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        h, f = shape.hidden_size, shape.intermediate_size
+        init = normal_init(shape.initializer_range)
+        kw = dict(device=device, dtype=dtype, init_method=init)
+        self.gate_proj = ColumnParallelLinear(h, f, tp, copy_input=False, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, tp, copy_input=False, **kw)
+        self.down_proj = RowParallelLinear(f, h, tp, input_is_parallel=True, **kw)
+
+    def forward(self, x):  # (b, s, h) -> (b, s, h)
+        x = copy_to_tp_region(x, self.tp)
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # inner: (b, s, f/t)

@@ -1,0 +1,49 @@
+"""Rotary position embeddings (Su et al. 2021, RoFormer) in HF's half-split convention.
+
+The head dimension is split in halves (x1, x2), rotated as (x1 cos - x2 sin, x2 cos + x1 sin),
+with frequency theta^(-2i/d) for pair i. `llama3` scaling (Meta, Llama 3.1 release) divides
+low frequencies by `factor`, keeps high ones, and interpolates smoothly in between.
+"""
+
+import math
+
+import torch
+
+
+def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """(head_dim/2,) fp32 inverse frequencies, optionally llama3-scaled."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+    if not scaling or scaling.get("rope_type", "default") == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    low_freq_factor = scaling["low_freq_factor"]
+    high_freq_factor = scaling["high_freq_factor"]
+    old_context = scaling["original_max_position_embeddings"]
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+
+    wavelen = 2 * math.pi / inv_freq
+    # Long wavelengths (low frequencies) are slowed down by `factor`; short ones are unchanged.
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device, dtype):
+    """cos, sin of shape (s, head_dim) for positions 0..s-1, computed in fp32."""
+    positions = torch.arange(seq_len, device=device, dtype=torch.float32)
+    freqs = torch.outer(positions, inv_freq.to(device))  # (s, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)  # (s, d)
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
+def _rotate_half(x):
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x, cos, sin):
+    """x: (b, heads, s, d); cos/sin: (s, d)."""
+    return x * cos + _rotate_half(x) * sin
