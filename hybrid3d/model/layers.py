@@ -4,6 +4,9 @@ The same layer classes serve the single-stage model (`LlamaSequential`) and Deep
 PipelineModule, with the same global layer indices, so parameter names agree between them.
 """
 
+from typing import Optional
+
+from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
 from hybrid3d.model.attention import Attention
@@ -73,12 +76,20 @@ def tied_lm_logits(embedding: Embedding, hidden):
     return vocab_parallel_logits(hidden, embedding.weight, embedding.tp)
 
 
-def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None) -> list[nn.Module]:
-    """[Embedding, DecoderBlock x L, FinalNorm, LMHead (untied only)]."""
-    kw = dict(device=device, dtype=dtype)
-    layers = [Embedding(shape, tp, **kw)]
-    layers += [DecoderBlock(shape, tp, **kw) for _ in range(shape.num_layers)]
-    layers.append(FinalNorm(shape, tp, **kw))
-    if not shape.tie_word_embeddings:
-        layers.append(LMHead(shape, tp, **kw))
+def layer_classes(shape: LlamaShape) -> list[type]:
+    """[Embedding, DecoderBlock x L, FinalNorm, LMHead (untied only)], by global layer index."""
+    classes = [Embedding] + [DecoderBlock] * shape.num_layers + [FinalNorm]
+    return classes if shape.tie_word_embeddings else classes + [LMHead]
+
+
+def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
+                 seed: Optional[int] = None) -> list[nn.Module]:
+    """Instantiate `layer_classes(shape)`. With `seed`, layer i is drawn after seeding `seed + i`,
+    exactly as PipelineModule(seed_layers=True, base_seed=seed) does, so a single-stage model and
+    any pipeline partitioning start from the same weights."""
+    layers = []
+    for index, cls in enumerate(layer_classes(shape)):
+        if seed is not None:
+            set_random_seed(seed + index)
+        layers.append(cls(shape, tp, device=device, dtype=dtype))
     return layers

@@ -4,6 +4,8 @@ Parameters are named `<global layer index>.<name>`, exactly as DeepSpeed's Pipel
 names them, so checkpoints and weight maps are shared between the two forms.
 """
 
+from typing import Callable, Optional
+
 from torch import nn
 
 from hybrid3d.layout import TensorParallelGroup
@@ -25,22 +27,47 @@ class LanguageModelLoss:
 
 
 class LlamaSequential(nn.Sequential):
-    """[Embedding, DecoderBlock x L, FinalNorm, LMHead?]: ids (b, s) -> logits (b, s, V_padded/t)."""
+    """[Embedding, DecoderBlock x L, FinalNorm, LMHead?]: ids (b, s) -> logits (b, s, V_padded/t).
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
-        super().__init__(*build_layers(shape, tp, device=device, dtype=dtype))
+    Activation checkpointing mirrors PipelineModule's: runs of `checkpoint_interval` decoder
+    blocks go through `checkpoint_fn` (DeepSpeed's `checkpointing.checkpoint` or
+    `non_reentrant_checkpoint`), which honours `deepspeed.checkpointing.configure()`.
+    """
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
+                 seed: Optional[int] = None, checkpoint_interval: int = 0, checkpoint_fn: Optional[Callable] = None):
+        super().__init__(*build_layers(shape, tp, device=device, dtype=dtype, seed=seed))
         self.shape = shape
         self.tp = tp
         self.loss_fn = LanguageModelLoss(shape, tp)
+        if checkpoint_interval and checkpoint_fn is None:
+            raise ValueError("checkpoint_interval > 0 needs a checkpoint_fn")
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_fn = checkpoint_fn
 
     def forward(self, ids):
-        hidden = ids
-        for layer in self:
+        layers = list(self)
+        blocks_end = 1 + self.shape.num_layers
+        hidden = layers[0](ids)
+        step = self.checkpoint_interval or self.shape.num_layers
+        for start in range(1, blocks_end, step):
+            run = _run_layers(layers[start:min(start + step, blocks_end)])
+            hidden = self.checkpoint_fn(run, hidden) if self.checkpoint_interval else run(hidden)
+        for layer in layers[blocks_end:]:
             hidden = layer(hidden)
         return tied_lm_logits(self[0], hidden) if self.shape.tie_word_embeddings else hidden
 
     def loss(self, ids, targets):
         return self.loss_fn(self(ids), targets)
+
+
+def _run_layers(layers):
+    def run(hidden):
+        for layer in layers:
+            hidden = layer(hidden)
+        return hidden
+
+    return run
 
 
 def gather_vocab_logits(logits, tp: TensorParallelGroup, vocab_size: int):

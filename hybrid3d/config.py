@@ -1,0 +1,218 @@
+"""The DeepSpeed JSON plus its "hybrid3d" section: parsing and every check that can run before
+anything is built. Each error is one line that names the offending key."""
+
+import json
+import math
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """A user error in the config: one line naming the key (the launcher exits with code 2)."""
+
+
+SECTION = "hybrid3d"
+
+
+@dataclass(frozen=True)
+class HybridSection:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    seed: int = 1234
+    vocab_pad_multiple: int = 128
+    # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
+    partition_method: str = "type:DecoderBlock"
+
+
+@dataclass
+class RunConfig:
+    """`ds_config` is what DeepSpeed receives: the JSON without the hybrid3d section, with the
+    batch sizes completed (train = micro x GAS x DP)."""
+
+    hybrid: HybridSection
+    ds_config: dict = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return self.hybrid.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.hybrid.pipeline_parallel_size
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.ds_config["gradient_accumulation_steps"]
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return int(self.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0))
+
+    @property
+    def use_reentrant(self) -> bool:
+        return self.ds_config.get("pipeline", {}).get("use_reentrant", True) is not False
+
+
+def read_json(path) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    return raw
+
+
+def _positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+def parse_hybrid_section(raw: dict) -> HybridSection:
+    section = raw.get(SECTION, {})
+    if not isinstance(section, dict):
+        raise ConfigError(f"{SECTION} must be a JSON object")
+    known = {f.name: f for f in fields(HybridSection)}
+    for key in section:
+        if key not in known:
+            raise ConfigError(f"{SECTION}.{key} is not a known key (known: {', '.join(sorted(known))})")
+    values = {}
+    for name, f in known.items():
+        if name not in section:
+            continue
+        value = section[name]
+        if f.type is int or f.type == "int":
+            if name == "seed":
+                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                    raise ConfigError(f"{SECTION}.seed must be a non-negative integer, got {value!r}")
+            else:
+                _positive_int(value, f"{SECTION}.{name}")
+        elif not isinstance(value, str):
+            raise ConfigError(f"{SECTION}.{name} must be a string, got {value!r}")
+        values[name] = value
+    return HybridSection(**values)
+
+
+def complete_batch_sizes(ds: dict, dp: int) -> None:
+    """Fill in the missing one of train_batch_size / micro / GAS, checking train = micro x GAS x dp."""
+    tbs, mbs, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps"))
+    for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
+                       ("gradient_accumulation_steps", gas)):
+        if value is not None:
+            _positive_int(value, key)
+    if tbs is None and mbs is None:
+        raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be set")
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * dp:
+            raise ConfigError(
+                f"train_batch_size ({tbs}) != train_micro_batch_size_per_gpu ({mbs}) * gradient_accumulation_steps "
+                f"({gas}) * data-parallel size ({dp})")
+    elif tbs is not None and mbs is not None:
+        if tbs % (mbs * dp):
+            raise ConfigError(f"train_batch_size ({tbs}) is not divisible by train_micro_batch_size_per_gpu ({mbs}) "
+                              f"* data-parallel size ({dp})")
+        gas = tbs // (mbs * dp)
+    elif tbs is not None:
+        gas = gas or 1
+        if tbs % (gas * dp):
+            raise ConfigError(f"train_batch_size ({tbs}) is not divisible by gradient_accumulation_steps ({gas}) "
+                              f"* data-parallel size ({dp})")
+        mbs = tbs // (gas * dp)
+    else:
+        gas = gas or 1
+        tbs = mbs * gas * dp
+    ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+
+
+def check_zero_and_precision(ds: dict, pp: int) -> None:
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError("zero_optimization must be a JSON object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2, got {stage!r}")
+    if stage == 3:
+        raise ConfigError("zero_optimization.stage=3 is not supported: use stage 1 (with pipeline parallelism) "
+                          "or 2 (pipeline_parallel_size 1)")
+    if stage == 2 and pp > 1:
+        raise ConfigError(
+            f"zero_optimization.stage=2 cannot run with {SECTION}.pipeline_parallel_size={pp}: DeepSpeed's "
+            "PipelineEngine supports ZeRO stage 0 or 1 only; use stage 1, or pipeline_parallel_size 1 for ZeRO-2")
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled and fp16.enabled cannot both be true")
+    if bf16 and accum in ("fp32", "float32") and stage == 0:
+        raise ConfigError("data_types.grad_accum_dtype=fp32 with bf16 needs zero_optimization.stage >= 1 "
+                          "(DeepSpeed's BF16_Optimizer shards fp32 masters over data parallel)")
+
+
+def check_activation_checkpointing(ds: dict, pp: int, num_layers: int | None, on_cpu: bool) -> None:
+    pipe = ds.get("pipeline", {})
+    interval = pipe.get("activation_checkpoint_interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"pipeline.activation_checkpoint_interval must be an integer >= 0, got {interval!r}")
+    ac = ds.get("activation_checkpointing", {})
+    if not isinstance(ac, dict):
+        raise ConfigError("activation_checkpointing must be a JSON object")
+    partition = ac.get("partition_activations", False)
+    if ac.get("contiguous_memory_optimization", False):
+        if not partition:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "activation_checkpointing.partition_activations=true")
+        if ac.get("number_checkpoints") is None:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "activation_checkpointing.number_checkpoints")
+        if interval == 0:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "pipeline.activation_checkpoint_interval > 0")
+        if num_layers is not None:
+            needed = checkpoints_in_flight(num_layers, pp, interval, ds["gradient_accumulation_steps"])
+            if ac["number_checkpoints"] < needed:
+                raise ConfigError(
+                    f"activation_checkpointing.number_checkpoints ({ac['number_checkpoints']}) is below the "
+                    f"{needed} checkpoints a stage holds ({num_layers} layers, pipeline_parallel_size {pp}, "
+                    f"activation_checkpoint_interval {interval})")
+    if ac.get("cpu_checkpointing", False) and not partition and on_cpu:
+        raise ConfigError("activation_checkpointing.cpu_checkpointing needs "
+                          "activation_checkpointing.partition_activations=true on the CPU accelerator "
+                          "(DeepSpeed empties the saved tensor otherwise)")
+    if ac.get("profile", False) and pipe.get("use_reentrant", True) is False:
+        raise ConfigError("activation_checkpointing.profile works only with pipeline.use_reentrant=true")
+
+
+def checkpoints_in_flight(num_layers: int, pp: int, interval: int, gas: int) -> int:
+    """Checkpointed chunks one stage holds at once: its chunks per micro-batch times the 1F1B
+    micro-batches in flight on the first stage, min(pp, GAS) (one without a pipeline)."""
+    chunks = math.ceil(math.ceil(num_layers / pp) / interval)
+    return chunks * (min(pp, gas) if pp > 1 else 1)
+
+
+def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True) -> RunConfig:
+    """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks."""
+    hybrid = parse_hybrid_section(raw)
+    tp, pp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by {SECTION}.tensor_parallel_size * "
+            f"{SECTION}.pipeline_parallel_size = {tp} * {pp}")
+    ds = {k: v for k, v in raw.items() if k != SECTION}
+    ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
+    complete_batch_sizes(ds, world_size // (tp * pp))
+    check_zero_and_precision(ds, pp)
+    check_activation_checkpointing(ds, pp, num_layers, on_cpu)
+    return RunConfig(hybrid=hybrid, ds_config=ds)

@@ -1,0 +1,143 @@
+"""Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
+
+- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1.
+- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
+
+DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
+`build_trainer` calls `deepspeed.checkpointing.configure` with the layout's process groups.
+"""
+
+import dataclasses
+from typing import Iterator, Optional
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+from hybrid3d.config import RunConfig, parse_config
+from hybrid3d.layout import ParallelLayout, ProcessGroups
+from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
+from hybrid3d.model.pipe import build_pipeline_module
+from hybrid3d.tensor_parallel import seed_tensor_parallel_rng
+
+Batch = tuple  # (input_ids (b, s), targets (b, s))
+
+
+class Trainer:
+    """A DeepSpeed engine plus what the training loop needs to know about the layout."""
+
+    def __init__(self, engine, config: RunConfig, layout: ParallelLayout, groups: ProcessGroups, shape: LlamaShape):
+        self.engine = engine
+        self.config = config
+        self.layout = layout
+        self.groups = groups
+        self.shape = shape
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return self.layout.pp > 1
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    def train_step(self, micro_batches: Iterator[Batch]) -> float:
+        """One optimizer step over GAS micro-batches; the loss averaged over micro-batches and DP."""
+        raise NotImplementedError
+
+    def eval_step(self, micro_batches: Iterator[Batch]) -> float:
+        """Loss over GAS micro-batches without gradients, averaged over micro-batches and DP."""
+        raise NotImplementedError
+
+    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> None:
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {})
+
+    def load(self, load_dir: str, tag: Optional[str] = None, **kwargs) -> dict:
+        _, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        return client_state or {}
+
+
+class PipelineTrainer(Trainer):
+    def train_step(self, micro_batches):
+        return float(self.engine.train_batch(data_iter=micro_batches))
+
+    def eval_step(self, micro_batches):
+        return float(self.engine.eval_batch(data_iter=micro_batches))
+
+
+class DataParallelTrainer(Trainer):
+    def _dp_mean(self, losses) -> float:
+        loss = torch.stack(losses).float().mean()
+        if self.layout.dp > 1:
+            dist.all_reduce(loss, group=self.groups.get_data_parallel_group())
+            loss /= self.layout.dp
+        return loss.item()
+
+    def train_step(self, micro_batches):
+        losses = []
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            ids, targets = next(micro_batches)
+            device = self.engine.device
+            loss = self.module.loss_fn(self.engine(ids.to(device)), targets.to(device))
+            self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
+            self.engine.step()  # steps the optimizer only at the accumulation boundary
+            losses.append(loss.detach())
+        return self._dp_mean(losses)
+
+    def eval_step(self, micro_batches):
+        losses = []
+        self.engine.eval()
+        with torch.no_grad():
+            for _ in range(self.engine.gradient_accumulation_steps()):
+                ids, targets = next(micro_batches)
+                device = self.engine.device
+                losses.append(self.module.loss_fn(self.engine(ids.to(device)), targets.to(device)))
+        self.engine.train()
+        return self._dp_mean(losses)
+
+
+def configure_activation_checkpointing(groups: ProcessGroups, config: RunConfig) -> None:
+    """Apply the JSON `activation_checkpointing` section (DeepSpeed parses but never applies it)."""
+    ds_checkpointing.configure(groups, deepspeed_config=config.ds_config)
+
+
+def build_trainer(raw_config: dict, shape: LlamaShape, hf_state_dict: Optional[dict] = None) -> Trainer:
+    """Validate the config, build groups and model, load HF weights if given, initialise DeepSpeed.
+
+    Every rank must call it (it creates process groups). `raw_config` is the DeepSpeed JSON with
+    its "hybrid3d" section; errors in it raise `ConfigError` before anything is built.
+    """
+    on_cpu = get_accelerator().device_name() == "cpu"
+    config = parse_config(raw_config, dist.get_world_size(), num_layers=shape.num_layers, on_cpu=on_cpu)
+    shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
+    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp)
+    layout.check_model(shape)
+    groups = layout.build_groups()
+    tp = groups.tensor_parallel()
+    seed = config.hybrid.seed
+    seed_tensor_parallel_rng(seed, tp.rank)
+    configure_activation_checkpointing(groups, config)
+
+    if layout.pp > 1:
+        module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method)
+    else:
+        checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
+        module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
+                                 checkpoint_fn=checkpoint_fn)
+    if hf_state_dict is not None:
+        load_hf_state_dict(module, hf_state_dict, shape, tp, pipeline=layout.pp > 1)
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=config.ds_config,
+        mpu=None if layout.pp > 1 else groups,  # the PipelineModule carries its own grid
+    )
+    trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
+    return trainer_cls(engine, config, layout, groups, shape)

@@ -1,0 +1,58 @@
+"""The Llama as DeepSpeed `PipelineModule` layer specs.
+
+Layer i of the spec list is layer i of `LlamaSequential`, so parameter names (`<i>.<name>`)
+agree between the pipeline and the single-stage model. With tied embeddings the embedding and
+the LM head are one `TiedLayerSpec`: the first and the last stage each hold a copy, DeepSpeed
+broadcasts it at start-up and all-reduces its gradient between the two stages every step.
+"""
+
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import set_random_seed
+
+from hybrid3d.layout import ParallelLayout, TensorParallelGroup
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import TIED_KEY
+from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, tied_lm_logits
+from hybrid3d.model.llama import LanguageModelLoss
+
+# Balance decoder blocks across stages; the embedding joins the first stage and the final norm
+# and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
+DEFAULT_PARTITION_METHOD = f"type:{DecoderBlock.__name__}"
+
+
+def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup) -> list:
+    specs = []
+    classes = layer_classes(shape)
+    for index, cls in enumerate(classes):
+        if index == 0 and shape.tie_word_embeddings:
+            specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, tied_weight_attr=["weight"]))
+        else:
+            specs.append(LayerSpec(cls, shape, tp))
+    if shape.tie_word_embeddings:
+        specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, forward_fn=tied_lm_logits,
+                                   tied_weight_attr=["weight"]))
+    return specs
+
+
+def _seed_layer(seed) -> None:
+    # `type:` partitioning yields numpy stage bounds, and `random.seed` rejects numpy integers.
+    set_random_seed(int(seed))
+
+
+def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
+                          partition_method: str = DEFAULT_PARTITION_METHOD) -> PipelineModule:
+    """A PipelineModule over `layout.topology()`; `seed_layers` makes the initial weights
+    independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
+    return PipelineModule(
+        layers=pipeline_layer_specs(shape, tp),
+        topology=layout.topology(),
+        loss_fn=LanguageModelLoss(shape, tp),
+        seed_layers=True,
+        seed_fn=_seed_layer,
+        base_seed=seed,
+        partition_method=partition_method,
+        # Only decoder blocks are checkpointed: the embedding's integer input cannot carry a
+        # gradient through reentrant checkpointing, and every block has the same input shape,
+        # which `contiguous_memory_optimization` requires.
+        checkpointable_layers=[DecoderBlock.__name__],
+    )

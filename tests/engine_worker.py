@@ -1,0 +1,68 @@
+"""Rank-side code for the engine tests: build trainers, train, and report what the tests check."""
+
+import gc
+
+import torch
+
+from tests.engine_runs import STEPS, ds_config, micro_batches
+from tests.tiny_llama import load_hf
+
+
+def run_one(run: dict, model_dirs: dict) -> dict:
+    import deepspeed.comm as dist
+    from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
+
+    from hybrid3d.engine import build_trainer
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.model.hf_weights import gather_hf_state_dict
+    from hybrid3d.model.layers import DecoderBlock
+
+    hf = load_hf(model_dirs[run["case"]])
+    shape = LlamaShape.from_hf(hf.config)
+    config = ds_config(run["tp"], run["pp"], run["zero"], **run.get("extra", {}))
+    if "optimizer" in run:
+        config["optimizer"] = run["optimizer"]
+    trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())
+    del hf
+
+    block_forwards = [0]
+    for module in trainer.module.modules():
+        if isinstance(module, DecoderBlock):
+            module.register_forward_hook(lambda *_: block_forwards.__setitem__(0, block_forwards[0] + 1))
+
+    dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
+    losses, forwards_per_step = [], []
+    for step in range(STEPS):
+        before = block_forwards[0]
+        losses.append(trainer.train_step(micro_batches(step, dp_rank, dp)))
+        forwards_per_step.append(block_forwards[0] - before)
+
+    optimizer = trainer.engine.optimizer
+    report = {
+        "losses": losses,
+        "weights": {k: v.float() for k, v in gather_hf_state_dict(
+            trainer.module, trainer.shape, trainer.groups.tensor_parallel(), pipeline=trainer.uses_pipeline).items()},
+        "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
+        "forwards_per_step": forwards_per_step,
+        "optimizer": type(optimizer).__name__,
+        "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),
+        "local_numel": sum(p.numel() for p in trainer.module.parameters()),
+        "dp_rank": dp_rank,
+        "stage": trainer.groups.stage_id,
+        "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),
+        "ckpt_flags": dict(partition=ds_ckpt.PARTITION_ACTIVATIONS, contiguous=ds_ckpt.CONTIGUOUS_CHECKPOINTING,
+                           cpu=ds_ckpt.CPU_CHECKPOINT, synchronize=ds_ckpt.SYNCHRONIZE, profile=ds_ckpt.PROFILE_TIME,
+                           num_checkpoints=ds_ckpt.num_layers),
+    }
+    if report["optimizer"] == "BF16_Optimizer":
+        report["master_dtypes"] = sorted({str(t.dtype) for t in optimizer.fp32_groups_flat_partition})
+        report["master_numel"] = sum(t.numel() for t in optimizer.fp32_groups_flat_partition)
+    dist.barrier()
+    del trainer, optimizer
+    gc.collect()
+    return report
+
+
+def train_runs(rank, world_size, runs, model_dirs):
+    return {run["name"]: run_one(run, model_dirs) for run in runs}

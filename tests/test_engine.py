@@ -1,0 +1,205 @@
+"""DeepSpeed registration: every layout and ZeRO stage trains exactly like HF LlamaForCausalLM.
+
+One spawned world per world size (1, 2, 4, 8 ranks) runs all of that size's layouts in turn.
+"""
+
+import pytest
+import torch
+
+from hybrid3d.config import ConfigError, parse_config
+from tests.distributed import run_world
+from tests.engine_runs import OPTIM, STEPS, ds_config, hf_reference_run
+from tests.engine_worker import train_runs
+from tests.tiny_llama import make_hf_llama, max_rel_error
+
+FIRST_LOSS_TOL = 1e-5
+RUN_TOL = 1e-4
+BF16_TOL = 2e-2
+
+LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1, 2, 2), (2, 2, 2), (1, 4, 1),
+           (4, 1, 1)]
+
+
+def matrix_runs():
+    runs = []
+    for tp, pp, dp in LAYOUTS:
+        for zero in (0, 1, 2) if pp == 1 else (0, 1):
+            runs.append(dict(name=f"TP{tp}-PP{pp}-DP{dp}-Z{zero}", case="gqa", tp=tp, pp=pp, zero=zero,
+                             world=tp * pp * dp))
+    for tp, pp, dp in [(1, 2, 1), (1, 4, 1), (2, 2, 2)]:
+        runs.append(dict(name=f"tied-TP{tp}-PP{pp}-DP{dp}-Z1", case="tied", tp=tp, pp=pp, zero=1, world=tp * pp * dp))
+    return runs
+
+
+BF16 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+BF16_RUNS = [dict(name=f"bf16-TP{tp}-PP{pp}-DP{dp}", case="gqa", tp=tp, pp=pp, zero=1, world=4, extra=BF16,
+                  fp32_twin=f"TP{tp}-PP{pp}-DP{dp}-Z1") for tp, pp, dp in [(1, 2, 2), (2, 1, 2)]]
+
+# Activation checkpointing options that work on the CPU accelerator; all at TP2 so partitioning
+# has something to split. Baselines are the matrix runs of the same layout.
+AC = "activation_checkpointing"
+CKPT_OPTIONS = {
+    "interval": {},
+    "non_reentrant": {"pipeline": {"use_reentrant": False}},
+    "partition": {AC: {"partition_activations": True}},
+    "contiguous": {AC: {"partition_activations": True, "contiguous_memory_optimization": True,
+                        "number_checkpoints": 4}},
+    "synchronize": {AC: {"synchronize_checkpoint_boundary": True}},
+    "profile": {AC: {"profile": True}},
+    "cpu_with_partition": {AC: {"partition_activations": True, "cpu_checkpointing": True}},
+}
+
+
+def ckpt_runs():
+    runs = []
+    for option, extra in CKPT_OPTIONS.items():
+        pipeline = {"activation_checkpoint_interval": 1, **extra.get("pipeline", {})}
+        runs.append(dict(name=f"ckpt-{option}-TP2-PP2-DP1", case="gqa", tp=2, pp=2, zero=1, world=4,
+                         extra={**extra, "pipeline": pipeline}, baseline="TP2-PP2-DP1-Z1", option=option))
+    for option in ("partition", "non_reentrant"):
+        extra = CKPT_OPTIONS[option]
+        pipeline = {"activation_checkpoint_interval": 2, **extra.get("pipeline", {})}
+        runs.append(dict(name=f"ckpt-{option}-TP2-PP1-DP2", case="gqa", tp=2, pp=1, zero=2, world=4,
+                         extra={**extra, "pipeline": pipeline}, baseline="TP2-PP1-DP2-Z2", option=option))
+    return runs
+
+
+# DeepSpeed's default AdamW (FusedAdam, JIT-built for the accelerator) instead of torch's.
+FUSED_ADAM = [dict(name="fused-adam-TP2-PP1-DP1", case="gqa", tp=2, pp=1, zero=1, world=2,
+                   optimizer={"type": "AdamW", "params": dict(OPTIM)})]
+
+ALL_RUNS = matrix_runs() + BF16_RUNS + ckpt_runs() + FUSED_ADAM
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("engine")
+    model_dirs = {"gqa": str(root / "gqa"), "tied": str(root / "tied")}
+    make_hf_llama(model_dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
+    make_hf_llama(model_dirs["tied"], "mha_tied", num_hidden_layers=4)
+    refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
+    by_rank = {}
+    for world in sorted({r["world"] for r in ALL_RUNS}):
+        runs = [r for r in ALL_RUNS if r["world"] == world]
+        ranks = run_world(train_runs, world, str(root / f"world{world}"), runs, model_dirs)
+        for run in runs:
+            by_rank[run["name"]] = [rank[run["name"]] for rank in ranks]
+    return {"ref": refs, "runs": by_rank}
+
+
+def merged_weights(rank_reports):
+    """Full HF-named weights assembled from the stage-local reports of every rank."""
+    merged = {}
+    for report in rank_reports:
+        for name, tensor in report["weights"].items():
+            if name in merged:
+                assert torch.equal(merged[name], tensor), f"{name} differs between ranks holding it"
+            merged[name] = tensor
+    return merged
+
+
+@pytest.mark.parametrize("run", matrix_runs(), ids=lambda r: r["name"])
+def test_layout_matches_hf_over_five_steps(results, run):
+    ref = results["ref"][run["case"]]
+    reports = results["runs"][run["name"]]
+    for report in reports:
+        assert len(report["losses"]) == STEPS
+        assert max_rel_error(torch.tensor(report["losses"][0]), torch.tensor(ref["losses"][0])) <= FIRST_LOSS_TOL
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= RUN_TOL
+    weights = merged_weights(reports)
+    assert set(weights) == set(ref["weights"])
+    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= RUN_TOL}
+    assert not bad, bad
+    # The loss moved: five steps that changed nothing would also "match".
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05
+
+
+def test_json_optimizer_default_adamw_matches_hf(results):
+    ref = results["ref"]["gqa"]
+    for report in results["runs"]["fused-adam-TP2-PP1-DP1"]:
+        assert report["optimizer"] == "DeepSpeedZeroOptimizer"
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= RUN_TOL
+
+
+def test_pipeline_balances_decoder_blocks(results):
+    for name, per_stage in [("TP1-PP2-DP1-Z1", 2), ("TP1-PP4-DP1-Z1", 1), ("TP2-PP2-DP2-Z1", 2)]:
+        assert {r["blocks_on_rank"] for r in results["runs"][name]} == {per_stage}, name
+
+
+@pytest.mark.parametrize("run", BF16_RUNS, ids=lambda r: r["name"])
+def test_bf16_masters_are_fp32_and_sharded(results, run):
+    reports = results["runs"][run["name"]]
+    twin = results["runs"][run["fp32_twin"]]
+    dp = 2
+    for report, fp32 in zip(reports, twin):
+        assert report["optimizer"] == "BF16_Optimizer"
+        assert report["param_dtypes"] == ["torch.bfloat16"]
+        assert report["master_dtypes"] == ["torch.float32"]
+        # Each DP rank holds 1/dp of its stage's parameters (plus alignment padding).
+        share = report["local_numel"] / dp
+        assert share <= report["master_numel"] < share + 64, (report["master_numel"], report["local_numel"])
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(fp32["losses"])) <= BF16_TOL
+
+
+@pytest.mark.parametrize("run", ckpt_runs(), ids=lambda r: r["name"])
+def test_activation_checkpointing_takes_effect(results, run):
+    reports = results["runs"][run["name"]]
+    baseline = results["runs"][run["baseline"]]
+    extra = run["extra"].get(AC, {})
+    gas = 8 // (2 * (4 // (run["tp"] * run["pp"])))  # global batch / (micro * dp)
+    for report, base in zip(reports, baseline):
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(base["losses"])) <= 1e-6
+        # Every block runs forward twice per micro-batch: once, then again when recomputed.
+        assert base["forwards_per_step"] == [report["blocks_on_rank"] * gas] * STEPS
+        assert report["forwards_per_step"] == [2 * report["blocks_on_rank"] * gas] * STEPS
+        flags = report["ckpt_flags"]
+        assert flags["partition"] == extra.get("partition_activations", False)
+        assert flags["contiguous"] == extra.get("contiguous_memory_optimization", False)
+        assert flags["cpu"] == extra.get("cpu_checkpointing", False)
+        assert flags["synchronize"] == extra.get("synchronize_checkpoint_boundary", False)
+        assert flags["profile"] == extra.get("profile", False)
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c["zero_optimization"].update(stage=2), "zero_optimization.stage=2 cannot run with "
+                                                       "hybrid3d.pipeline_parallel_size=2"),
+    (lambda c: c.update(train_batch_size=10, gradient_accumulation_steps=4),
+     "train_batch_size (10) != train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (4) * "
+     "data-parallel size (1)"),
+    (lambda c: c.update(train_batch_size=9), "train_batch_size (9) is not divisible by train_micro_batch_size_per_gpu"),
+    (lambda c: c.update(gradient_accumulation_steps=3), "gradient_accumulation_steps (3)"),
+    (lambda c: c["hybrid3d"].update(tensor_parallel_sizes=2), "hybrid3d.tensor_parallel_sizes is not a known key"),
+    (lambda c: c["hybrid3d"].update(tensor_parallel_size=0), "hybrid3d.tensor_parallel_size must be a positive"),
+    (lambda c: c["hybrid3d"].update(tensor_parallel_size=3), "world size 4 is not divisible"),
+    (lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}),
+     "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
+    (lambda c: c.update(activation_checkpointing={"contiguous_memory_optimization": True}),
+     "activation_checkpointing.contiguous_memory_optimization needs activation_checkpointing.partition_activations"),
+    (lambda c: c.update(pipeline={"activation_checkpoint_interval": 1}, activation_checkpointing={
+        "contiguous_memory_optimization": True, "partition_activations": True, "number_checkpoints": 3}),
+     "activation_checkpointing.number_checkpoints (3) is below the 4 checkpoints"),
+    (lambda c: c.update(pipeline={"activation_checkpoint_interval": 1, "use_reentrant": False},
+                        activation_checkpointing={"profile": True}),
+     "activation_checkpointing.profile works only with pipeline.use_reentrant=true"),
+    (lambda c: c.update(pipeline={"activation_checkpoint_interval": -1}),
+     "pipeline.activation_checkpoint_interval must be an integer >= 0"),
+    (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"},
+                        zero_optimization={"stage": 0}), "data_types.grad_accum_dtype=fp32 with bf16 needs"),
+    (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage=3 is not supported"),
+])
+def test_bad_configs_are_refused_with_the_key(edit, needle):
+    config = ds_config(tp=2, pp=2, zero=1)
+    edit(config)
+    with pytest.raises(ConfigError) as err:
+        parse_config(config, world_size=4, num_layers=4, on_cpu=True)
+    message = str(err.value)
+    assert needle in message and "\n" not in message
+
+
+def test_batch_sizes_are_completed():
+    config = ds_config(tp=1, pp=2, zero=1)
+    del config["train_batch_size"]
+    config["gradient_accumulation_steps"] = 3
+    parsed = parse_config(config, world_size=4)
+    assert parsed.ds_config["train_batch_size"] == 2 * 3 * 2
+    assert "hybrid3d" not in parsed.ds_config
