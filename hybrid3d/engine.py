@@ -131,7 +131,7 @@ def build_trainer(raw_config: dict, shape: LlamaShape, hf_state_dict: Optional[d
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
                                  checkpoint_fn=checkpoint_fn)
     if hf_state_dict is not None:
-        load_hf_state_dict(module, hf_state_dict, shape, tp, pipeline=layout.pp > 1)
+        load_hf_state_dict(module, hf_state_dict, shape, tp)
 
     engine, _, _, _ = deepspeed.initialize(
         model=module,

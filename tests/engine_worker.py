@@ -41,7 +41,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     report = {
         "losses": losses,
         "weights": {k: v.float() for k, v in gather_hf_state_dict(
-            trainer.module, trainer.shape, trainer.groups.tensor_parallel(), pipeline=trainer.uses_pipeline).items()},
+            trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
         "forwards_per_step": forwards_per_step,
         "optimizer": type(optimizer).__name__,

@@ -31,16 +31,16 @@ class ParamSpec:
     kind: str
 
 
-TIED_KEY = "embed"  # the TiedLayerSpec key of the embedding / LM head in the pipeline
+TIED_KEY = "embed"  # the TiedLayerSpec key of the embedding / LM head
 
 
-def param_specs(shape: LlamaShape, tp_size: int, pipeline: bool = False) -> list[ParamSpec]:
+def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     """Every trainable tensor of the model, in HF order.
 
-    With `pipeline` and tied embeddings the embedding lives in PipelineModule's
-    `tied_modules.embed` (on the first and the last stage) instead of layer 0."""
+    A tied embedding is named `tied_modules.embed.weight` (PipelineModule's name for a
+    TiedLayerSpec, used by LlamaSequential too); otherwise layer 0 holds it."""
     kv_kind = COLUMN if tp_size <= shape.num_kv_heads else REPLICATED
-    embed_name = f"tied_modules.{TIED_KEY}.weight" if pipeline and shape.tie_word_embeddings else "0.weight"
+    embed_name = f"tied_modules.{TIED_KEY}.weight" if shape.tie_word_embeddings else "0.weight"
     specs = [ParamSpec("model.embed_tokens.weight", embed_name, VOCAB)]
     for i in range(shape.num_layers):
         hf, local = f"model.layers.{i}", str(i + 1)
@@ -85,7 +85,7 @@ def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor], shape: LlamaSha
 
 
 def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: LlamaShape,
-                       tp: TensorParallelGroup, pipeline: bool = False) -> None:
+                       tp: TensorParallelGroup) -> None:
     """Copy HF `LlamaForCausalLM` weights into a TP model's parameters, slicing for this TP rank.
 
     Works for a LlamaSequential (all layers) or a pipeline stage holding some of them: a parameter
@@ -93,7 +93,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: Llama
     """
     params = dict(model.named_parameters())
     filled = set()
-    for spec in param_specs(shape, tp.size, pipeline):
+    for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:
             continue
         if spec.hf_name not in hf_state_dict:
@@ -112,14 +112,14 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: Llama
 
 
 def gather_hf_state_dict(model: torch.nn.Module, shape: LlamaShape, tp: TensorParallelGroup,
-                         grads: bool = False, pipeline: bool = False) -> dict:
+                         grads: bool = False) -> dict:
     """Full HF-named tensors (or their gradients) of the layers this model holds, gathered over TP.
 
     A collective over the TP group: every TP rank must call it; each gets the full tensors.
     """
     params = dict(model.named_parameters())
     out = {}
-    for spec in param_specs(shape, tp.size, pipeline):
+    for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:
             continue
         local = params[spec.local_name]

@@ -10,6 +10,7 @@ from torch import nn
 
 from hybrid3d.layout import TensorParallelGroup
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
 from hybrid3d.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, mean_token_loss
 
@@ -26,8 +27,11 @@ class LanguageModelLoss:
         return mean_token_loss(logits, targets, self.tp, self.vocab_size, self.ignore_index)
 
 
-class LlamaSequential(nn.Sequential):
+class LlamaSequential(nn.Module):
     """[Embedding, DecoderBlock x L, FinalNorm, LMHead?]: ids (b, s) -> logits (b, s, V_padded/t).
+
+    Layer i is registered as child `str(i)`, except a tied embedding, which lives in
+    `tied_modules.embed` as in PipelineModule: parameter names are identical in both forms.
 
     Activation checkpointing mirrors PipelineModule's: runs of `checkpoint_interval` decoder
     blocks go through `checkpoint_fn` (DeepSpeed's `checkpointing.checkpoint` or
@@ -36,7 +40,15 @@ class LlamaSequential(nn.Sequential):
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
                  seed: Optional[int] = None, checkpoint_interval: int = 0, checkpoint_fn: Optional[Callable] = None):
-        super().__init__(*build_layers(shape, tp, device=device, dtype=dtype, seed=seed))
+        super().__init__()
+        layers = build_layers(shape, tp, device=device, dtype=dtype, seed=seed)
+        if shape.tie_word_embeddings:
+            self.tied_modules = nn.ModuleDict({TIED_KEY: layers[0]})
+        else:
+            self.add_module("0", layers[0])
+        for index, layer in enumerate(layers[1:], start=1):
+            self.add_module(str(index), layer)
+        self.layers = layers  # forward order; a plain list, so nothing is registered twice
         self.shape = shape
         self.tp = tp
         self.loss_fn = LanguageModelLoss(shape, tp)
@@ -46,7 +58,7 @@ class LlamaSequential(nn.Sequential):
         self.checkpoint_fn = checkpoint_fn
 
     def forward(self, ids):
-        layers = list(self)
+        layers = self.layers
         blocks_end = 1 + self.shape.num_layers
         hidden = layers[0](ids)
         step = self.checkpoint_interval or self.shape.num_layers
@@ -55,7 +67,7 @@ class LlamaSequential(nn.Sequential):
             hidden = self.checkpoint_fn(run, hidden) if self.checkpoint_interval else run(hidden)
         for layer in layers[blocks_end:]:
             hidden = layer(hidden)
-        return tied_lm_logits(self[0], hidden) if self.shape.tie_word_embeddings else hidden
+        return tied_lm_logits(layers[0], hidden) if self.shape.tie_word_embeddings else hidden
 
     def loss(self, ids, targets):
         return self.loss_fn(self(ids), targets)
