@@ -1,10 +1,12 @@
 """The DeepSpeed JSON plus its "hybrid3d" section: parsing and every check that can run before
 anything is built. Each error is one line that names the offending key."""
 
+import dataclasses
 import json
 import math
+import typing
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Optional
 
 
 class ConfigError(ValueError):
@@ -15,6 +17,44 @@ SECTION = "hybrid3d"
 
 
 @dataclass(frozen=True)
+class ModelSection:
+    hf_model: Optional[str] = None  # a local HF Llama folder (config, tokenizer, optional weights)
+    init_from_hf: bool = False  # load the folder's weights instead of a random initialisation
+    preset: Optional[str] = None  # a named shape from hybrid3d.model.presets ('tiny', 'llama3-8b', ...)
+    config_overrides: dict = field(default_factory=dict)  # LlamaConfig fields to change
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: Optional[str] = None  # text/json/jsonl/parquet file(s), a save_to_disk folder; None = built-in corpus
+    text_field: str = "text"
+    tokenizer: Optional[str] = None  # HF tokenizer folder; None = the model folder's, else the built-in one
+    seq_length: int = 128
+    shuffle: bool = False
+    seed: int = 1234
+    eval_path: Optional[str] = None
+    eval_fraction: float = 0.0  # held-out tail of the documents when no eval_path is given
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 100
+    eval_interval: int = 0  # 0 = no periodic evaluation
+    eval_steps: int = 1
+    log_interval: int = 1
+    output_dir: str = "outputs/run"
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = from the device table
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    save_dir: Optional[str] = None  # None = <output_dir>/checkpoints
+    save_interval: int = 0  # 0 = only at the end (and on SIGTERM/SIGINT)
+    load: Optional[str] = None  # a checkpoint folder, or 'latest' for save_dir
+    keep_last: int = 0  # 0 = keep all
+
+
+@dataclass(frozen=True)
 class HybridSection:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -22,6 +62,10 @@ class HybridSection:
     vocab_pad_multiple: int = 128
     # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
     partition_method: str = "type:DecoderBlock"
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
 
 
 @dataclass
@@ -80,29 +124,67 @@ def _positive_int(value: Any, key: str) -> int:
     return value
 
 
-def parse_hybrid_section(raw: dict) -> HybridSection:
-    section = raw.get(SECTION, {})
+NON_NEGATIVE = {"seed", "eval_interval", "save_interval", "keep_last"}
+
+
+def _check_value(value: Any, annotation: Any, key: str, field_name: str) -> Any:
+    """Type-check one JSON value against a dataclass field annotation."""
+    optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
+    if optional:
+        if value is None:
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        minimum = 0 if field_name in NON_NEGATIVE else 1
+        if value < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{key} must be a non-negative number, got {value!r}")
+        value = float(value)
+    elif annotation is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+    elif annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a JSON object, got {value!r}")
+    return value
+
+
+def _parse_section(section: Any, cls, prefix: str):
     if not isinstance(section, dict):
-        raise ConfigError(f"{SECTION} must be a JSON object")
-    known = {f.name: f for f in fields(HybridSection)}
+        raise ConfigError(f"{prefix} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
     for key in section:
         if key not in known:
-            raise ConfigError(f"{SECTION}.{key} is not a known key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"{prefix}.{key} is not a known key (known: {', '.join(sorted(known))})")
     values = {}
-    for name, f in known.items():
-        if name not in section:
-            continue
-        value = section[name]
-        if f.type is int or f.type == "int":
-            if name == "seed":
-                if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                    raise ConfigError(f"{SECTION}.seed must be a non-negative integer, got {value!r}")
-            else:
-                _positive_int(value, f"{SECTION}.{name}")
-        elif not isinstance(value, str):
-            raise ConfigError(f"{SECTION}.{name} must be a string, got {value!r}")
-        values[name] = value
-    return HybridSection(**values)
+    for name in known & set(section):
+        annotation = hints[name]
+        key = f"{prefix}.{name}"
+        if dataclasses.is_dataclass(annotation):
+            values[name] = _parse_section(section[name], annotation, key)
+        else:
+            values[name] = _check_value(section[name], annotation, key, name)
+    return cls(**values)
+
+
+def parse_hybrid_section(raw: dict) -> HybridSection:
+    section = _parse_section(raw.get(SECTION, {}), HybridSection, SECTION)
+    if section.data.eval_fraction >= 1:
+        raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
+    model = section.model
+    if model.hf_model and model.preset:
+        raise ConfigError(f"{SECTION}.model.hf_model and {SECTION}.model.preset are exclusive: set one")
+    if model.init_from_hf and not model.hf_model:
+        raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
+    return section
 
 
 def complete_batch_sizes(ds: dict, dp: int) -> None:
@@ -216,3 +298,55 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_zero_and_precision(ds, pp)
     check_activation_checkpointing(ds, pp, num_layers, on_cpu)
     return RunConfig(hybrid=hybrid, ds_config=ds)
+
+
+def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
+    """`--section.key value` pairs (also `--key=value`) from the command line, in order."""
+    pairs = []
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}: overrides look like --train.steps 100")
+        if "=" in arg:
+            key, value = arg[2:].split("=", 1)
+            i += 1
+        else:
+            if i + 1 >= len(args):
+                raise ConfigError(f"override {arg} has no value")
+            key, value = arg[2:], args[i + 1]
+            i += 2
+        pairs.append((key, value))
+    return pairs
+
+
+def apply_overrides(raw: dict, overrides: list[tuple[str, str]]) -> list[str]:
+    """Write dotted overrides into the raw config; return one 'key: old -> new' line per change.
+
+    A key whose first part is a field of the hybrid3d section (`train.steps`, `model.preset`,
+    `tensor_parallel_size`) goes under "hybrid3d"; `hybrid3d.` may also be spelled out; any
+    other key is a DeepSpeed key (`zero_optimization.stage`). Values are JSON when they parse
+    as JSON (numbers, true/false, null, objects), else strings.
+    """
+    hybrid_fields = {f.name for f in fields(HybridSection)}
+    log = []
+    for key, text in overrides:
+        parts = key.split(".")
+        if any(not p for p in parts):
+            raise ConfigError(f"override --{key} is not a valid dotted key")
+        if parts[0] in hybrid_fields:
+            parts = [SECTION] + parts
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        node = raw
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override --{key}: {part} is not a JSON object in the config")
+            node = child
+        old = node.get(parts[-1], "<unset>")
+        node[parts[-1]] = value
+        log.append(f"{'.'.join(parts)}: {json.dumps(old) if old != '<unset>' else old} -> {json.dumps(value)}")
+    return log

@@ -16,6 +16,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from hybrid3d.checkpoint import universal_checkpoint_info
 from hybrid3d.config import RunConfig, parse_config
 from hybrid3d.layout import ParallelLayout, ProcessGroups
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
@@ -132,6 +133,8 @@ def build_trainer(raw_config: dict, shape: LlamaShape, hf_state_dict: Optional[d
                                  checkpoint_fn=checkpoint_fn)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)
+    # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
+    module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
     engine, _, _, _ = deepspeed.initialize(
         model=module,

@@ -169,7 +169,7 @@ def test_activation_checkpointing_takes_effect(results, run):
     (lambda c: c.update(train_batch_size=9), "train_batch_size (9) is not divisible by train_micro_batch_size_per_gpu"),
     (lambda c: c.update(gradient_accumulation_steps=3), "gradient_accumulation_steps (3)"),
     (lambda c: c["hybrid3d"].update(tensor_parallel_sizes=2), "hybrid3d.tensor_parallel_sizes is not a known key"),
-    (lambda c: c["hybrid3d"].update(tensor_parallel_size=0), "hybrid3d.tensor_parallel_size must be a positive"),
+    (lambda c: c["hybrid3d"].update(tensor_parallel_size=0), "hybrid3d.tensor_parallel_size must be >= 1, got 0"),
     (lambda c: c["hybrid3d"].update(tensor_parallel_size=3), "world size 4 is not divisible"),
     (lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}),
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),

@@ -1,0 +1,214 @@
+"""The distributed part of the training job: data, engine, resume, the step loop, checkpoints."""
+
+import dataclasses
+import json
+import math
+import random
+import signal
+import time
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+import numpy as np
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
+
+from hybrid3d.checkpoint import HF_FILES_DIR, convert_to_universal, prune_checkpoints, tag_for_step, write_meta
+from hybrid3d.config import ConfigError
+from hybrid3d.data import build_training_data, micro_batches
+from hybrid3d.engine import build_trainer
+from hybrid3d.flops import peak_tflops, training_flops_per_token
+from hybrid3d.metrics import MetricsLogger, info
+
+
+def rank0_first(fn, rank: int):
+    """Run `fn` on rank 0 first (it fills caches), then on the others; a user error on rank 0
+    is re-raised on every rank instead of leaving them waiting."""
+    error = [None]
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0])
+    return result if rank == 0 else fn()
+
+
+def rng_state() -> dict:
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": get_accelerator().get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def restore_rng(state: dict) -> None:
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    get_accelerator().set_rng_state(state["accelerator"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class StopRequest:
+    """SIGTERM/SIGINT set a flag; every step all ranks agree on it (one tiny all-reduce), so they
+    stop at the same step, save, and exit cleanly even if only one rank got the signal."""
+
+    def __init__(self):
+        self.signal_name = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self) -> bool:
+        flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return bool(flag.item())
+
+
+def layout_summary(trainer) -> list[str]:
+    """One line per pipeline stage: its layers and parameters (per TP rank)."""
+    module = trainer.module
+    if trainer.uses_pipeline:
+        first, last = module._local_start, module._local_stop - 1
+    else:
+        first, last = 0, len(module.layers) - 1
+    local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
+                 dp=trainer.groups.get_data_parallel_rank(), first=int(first), last=int(last),
+                 params=sum(p.numel() for p in module.parameters()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    lines = []
+    for stage in range(trainer.layout.pp):
+        ranks = [r for r in everyone if r["stage"] == stage and r["dp"] == 0]
+        r0 = ranks[0]
+        lines.append(f"  stage {stage}: layers {r0['first']}-{r0['last']}, "
+                     f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
+                     f"in the stage)")
+    return lines
+
+
+def evaluate(trainer, data, job, dp_rank) -> float:
+    batch = job.config.ds_config["train_batch_size"]
+    losses = [trainer.eval_step(micro_batches(data.eval, k, batch, dp_rank, job.layout.dp,
+                                              job.config.micro_batch_size))
+              for k in range(job.hybrid.train.eval_steps)]
+    return float(np.mean(losses))
+
+
+def load_checkpoint(trainer, plan) -> dict:
+    """Load per the plan; return the hybrid3d client state ({} for a weights-only checkpoint)."""
+    if plan.module_only:
+        trainer.engine.load_checkpoint(str(plan.load_dir), tag=plan.tag, load_module_only=True,
+                                       load_optimizer_states=False, load_lr_scheduler_states=False)
+        return {}
+    tag = plan.universal_tag if plan.universal else plan.tag
+    _, client_state = trainer.engine.load_checkpoint(str(plan.load_dir), tag=tag)
+    if client_state is None:
+        raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {plan.load_dir / tag}")
+    return client_state.get("hybrid3d", {})
+
+
+def run_job(job, eval_only: bool, rank: int) -> int:
+    deepspeed.init_distributed()
+    hybrid, layout = job.hybrid, job.layout
+    is_rank0 = rank == 0
+    for line in job.override_log:
+        info(f"override {line}", is_rank0)
+
+    source = job.source
+    data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizer, source.tokenizer_dir,
+                                                   source.tokenizer.eos_token_id), rank)
+    raw = json.loads(json.dumps(job.raw))
+    if job.plan is not None and job.plan.universal:
+        info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
+             "through DeepSpeed's universal checkpoint", is_rank0)
+        rank0_first(lambda: convert_to_universal(job.plan), rank)
+        raw.setdefault("checkpoint", {})["load_universal"] = True
+
+    trainer = build_trainer(raw, job.shape, hf_state_dict=job.hf_weights)
+    config = trainer.config
+    step, client = 0, {}
+    if job.plan is not None:
+        client = load_checkpoint(trainer, job.plan)
+        step = int(client.get("step", 0))
+        if "rng" in client and not job.plan.universal:
+            restore_rng(client["rng"])
+        info(f"loaded {job.plan.load_dir / job.plan.tag} at step {step}", is_rank0)
+
+    dp_rank = trainer.groups.get_data_parallel_rank()
+    info(f"layout {layout.name}: {job.shape.num_layers} decoder layers, ZeRO stage {config.zero_stage}, "
+         f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
+         f"= {config.ds_config['train_batch_size']} sequences of {hybrid.data.seq_length} tokens", is_rank0)
+    for line in layout_summary(trainer):
+        info(line, is_rank0)
+
+    if eval_only:
+        if data.eval is None:
+            raise ConfigError("--eval-only needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
+        eval_loss = evaluate(trainer, data, job, dp_rank)
+        info(f"eval_loss {eval_loss:.6f} perplexity {math.exp(min(eval_loss, 50)):.3f} "
+             f"({hybrid.train.eval_steps} batches, checkpoint step {step})", is_rank0)
+        return 0
+
+    output_dir, save_dir = job.output_dir, job.save_dir
+    if is_rank0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.json").write_text(json.dumps(job.raw, indent=1))
+        (save_dir / HF_FILES_DIR).mkdir(parents=True, exist_ok=True)
+        source.hf_config.save_pretrained(save_dir / HF_FILES_DIR)
+        source.tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
+    dist.barrier()
+
+    batch, seq = config.ds_config["train_batch_size"], hybrid.data.seq_length
+    flops = training_flops_per_token(job.shape, seq)
+    peak = hybrid.train.peak_tflops or peak_tflops()
+    logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
+                           enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
+    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
+
+    def save(at_step: int) -> Path:
+        tag = tag_for_step(at_step)
+        if is_rank0:  # the metadata goes in first: `latest` is written by DeepSpeed last
+            (save_dir / tag).mkdir(parents=True, exist_ok=True)
+            write_meta(save_dir / tag, {**meta, "step": at_step, "samples_consumed": at_step * batch})
+        dist.barrier()
+        trainer.save(str(save_dir), tag=tag, client_state={"hybrid3d": {
+            "step": at_step, "samples_consumed": at_step * batch, "rng": rng_state()}})
+        if is_rank0:
+            prune_checkpoints(save_dir, hybrid.checkpoint.keep_last)
+        dist.barrier()
+        return save_dir / tag
+
+    stop = StopRequest()
+    last_saved = step if job.plan is not None and not job.plan.module_only else None
+    info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {output_dir / 'metrics.jsonl'}", is_rank0)
+    while step < hybrid.train.steps:
+        started = time.perf_counter()
+        loss = trainer.train_step(micro_batches(data.train, step, batch, dp_rank, layout.dp, config.micro_batch_size))
+        get_accelerator().synchronize()
+        step_time = time.perf_counter() - started
+        step += 1
+        eval_loss = None
+        if hybrid.train.eval_interval and step % hybrid.train.eval_interval == 0:
+            eval_loss = evaluate(trainer, data, job, dp_rank)
+        grad_norm = trainer.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
+        logger.record(step, loss, float(trainer.engine.get_lr()[0]), grad_norm, step_time, eval_loss, log=should_log)
+        if hybrid.checkpoint.save_interval and step % hybrid.checkpoint.save_interval == 0:
+            save(step)
+            last_saved = step
+        if stop.agreed():
+            path = save(step) if last_saved != step else save_dir / tag_for_step(step)
+            info(f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}; "
+                 f"checkpoint {path}", is_rank0)
+            return 0
+    path = save(step) if last_saved != step else save_dir / tag_for_step(step)
+    info(f"done: {step} steps; checkpoint {path}; metrics {output_dir / 'metrics.jsonl'}", is_rank0)
+    return 0

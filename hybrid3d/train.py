@@ -1,0 +1,124 @@
+"""The training job: `deepspeed launch/train.py --deepspeed_config CFG.json [--section.key value ...]`.
+
+Everything that can be checked before any process group or file exists is checked first, so a
+user error ends every rank with one line on stderr, exit code 2, and nothing written.
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+from hybrid3d.checkpoint import ResumePlan, plan_resume
+from hybrid3d.config import ConfigError, apply_overrides, parse_config, parse_hybrid_section, parse_override_args, \
+    read_json
+from hybrid3d.layout import LayoutError, ParallelLayout
+from hybrid3d.model.config import LlamaShape, UnsupportedConfigError
+from hybrid3d.model.hf_files import HFWeights, HFWeightsError
+from hybrid3d.model_source import resolve_model
+
+USER_ERRORS = (ConfigError, LayoutError, UnsupportedConfigError, HFWeightsError)
+STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "tie_word_embeddings")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py", description="Train a Llama with TP x PP x DP (ZeRO) on DeepSpeed.",
+        epilog="Any other --section.key value pair overrides the JSON, e.g. --train.steps 200 "
+               "--checkpoint.load latest --zero_optimization.stage 1")
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a \"hybrid3d\" section")
+    parser.add_argument("--eval-only", action="store_true", help="load checkpoint.load, evaluate, print, exit")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_override_args(rest)
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything validated before the process group starts."""
+
+    raw: dict
+    hybrid: object
+    config: object
+    layout: ParallelLayout
+    shape: LlamaShape
+    source: object
+    save_dir: Path
+    output_dir: Path
+    plan: ResumePlan | None
+    hf_weights: HFWeights | None
+    override_log: list
+
+
+def prepare(args, overrides, world_size: int) -> Job:
+    from deepspeed.accelerator import get_accelerator
+
+    raw = read_json(args.deepspeed_config)
+    override_log = apply_overrides(raw, overrides)
+    hybrid = parse_hybrid_section(raw)
+    source = resolve_model(hybrid.model, hybrid.data)
+    shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
+    layout = ParallelLayout.for_world(world_size, config.tp, config.pp)
+    layout.check_model(shape)
+    train, data = hybrid.train, hybrid.data
+    if data.seq_length > shape.max_position_embeddings:
+        raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
+                          f"max_position_embeddings ({shape.max_position_embeddings})")
+    if train.eval_interval and not (data.eval_path or data.eval_fraction):
+        raise ConfigError("hybrid3d.train.eval_interval needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
+    if data.path is not None and not any(Path().glob(data.path)) and not Path(data.path).exists():
+        raise ConfigError(f"hybrid3d.data.path: {data.path} does not exist")
+    if data.eval_path is not None and not Path(data.eval_path).exists():
+        raise ConfigError(f"hybrid3d.data.eval_path: {data.eval_path} does not exist")
+    output_dir = Path(train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"hybrid3d.train.output_dir: {output_dir} exists and is not a folder")
+    save_dir = Path(hybrid.checkpoint.save_dir or output_dir / "checkpoints")
+    plan = None
+    if hybrid.checkpoint.load:
+        structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
+        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure)
+    if args.eval_only and plan is None:
+        raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
+    hf_weights = None
+    if hybrid.model.init_from_hf and (plan is None):
+        hf_weights = HFWeights(hybrid.model.hf_model)
+        names = {s.hf_name for s in _param_specs(shape, layout.tp)}
+        missing = sorted(names - set(hf_weights))
+        if missing:
+            raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
+    return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log)
+
+
+def _param_specs(shape, tp):
+    from hybrid3d.model.hf_weights import param_specs
+
+    return param_specs(shape, tp)
+
+
+def main(argv=None) -> int:
+    args, overrides = None, None
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        job = prepare(args, overrides, world_size)
+    except USER_ERRORS as e:
+        if rank == 0:  # every rank found the same error; one line is enough
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 2
+    from hybrid3d.run import run_job  # heavy imports only once the job is known to be valid
+
+    try:
+        return run_job(job, eval_only=args.eval_only, rank=rank)
+    except USER_ERRORS as e:  # found after start-up (e.g. in the data): may be on some ranks only
+        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,11 @@
+"""Entry point: deepspeed [--num_gpus N | --hostfile H] launch/train.py --deepspeed_config CFG.json [...]"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
+
+from hybrid3d.train import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""Packing and sharding follow the documented convention, computed here independently."""
+
+import json
+
+import datasets
+import numpy as np
+import pytest
+from transformers import AutoTokenizer
+
+from hybrid3d.config import ConfigError, DataSection
+from hybrid3d.data import build_training_data, micro_batches
+from hybrid3d.data.builtin import builtin_tokenizer_path
+
+DOCS = [f"Document number {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(40)]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(builtin_tokenizer_path())
+
+
+@pytest.fixture()
+def jsonl(tmp_path):
+    path = tmp_path / "docs.jsonl"
+    path.write_text("".join(json.dumps({"body": d, "other": 1}) + "\n" for d in DOCS))
+    return path
+
+
+def expected_stream(texts, tokenizer):
+    stream = []
+    for text in texts:
+        stream += tokenizer(text, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    return stream
+
+
+def expected_micro_batches(stream, s, k, batch, dp_rank, dp, micro):
+    n = (len(stream) - 1) // s
+    share = batch // dp
+    rows = [stream[(i % n) * s:(i % n) * s + s + 1] for i in range(k * batch + dp_rank * share,
+                                                                    k * batch + (dp_rank + 1) * share)]
+    return [(np.array([r[:-1] for r in rows[j:j + micro]]), np.array([r[1:] for r in rows[j:j + micro]]))
+            for j in range(0, share, micro)]
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_packing_and_sharding_follow_the_convention(jsonl, tokenizer, shuffle):
+    section = DataSection(path=str(jsonl), text_field="body", seq_length=16, shuffle=shuffle, seed=7)
+    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    texts = DOCS
+    if shuffle:  # the seeded shuffle is the datasets library's
+        texts = datasets.Dataset.from_list([{"body": d} for d in DOCS]).shuffle(seed=7)["body"]
+    stream = expected_stream(texts, tokenizer)
+    assert list(np.asarray(data.train.tokens)) == stream
+    assert len(data.train) == (len(stream) - 1) // 16
+    batch, dp, micro = 8, 2, 2
+    for k in (0, 3, len(data.train) // batch + 1):  # the last one wraps into the next epoch
+        for dp_rank in range(dp):
+            got = list(micro_batches(data.train, k, batch, dp_rank, dp, micro))
+            want = expected_micro_batches(stream, 16, k, batch, dp_rank, dp, micro)
+            assert len(got) == len(want) == batch // dp // micro
+            for (ids, targets), (want_ids, want_targets) in zip(got, want):
+                assert ids.tolist() == want_ids.tolist() and targets.tolist() == want_targets.tolist()
+
+
+def test_eval_fraction_holds_out_the_last_documents(jsonl, tokenizer):
+    section = DataSection(path=str(jsonl), text_field="body", seq_length=16, eval_fraction=0.1)
+    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    assert list(np.asarray(data.train.tokens)) == expected_stream(DOCS[:36], tokenizer)
+    assert list(np.asarray(data.eval.tokens)) == expected_stream(DOCS[36:], tokenizer)
+
+
+def test_pretokenized_dataset_is_used_as_is(tmp_path, tokenizer):
+    rows = [{"input_ids": list(range(i, i + 5 + i % 3))} for i in range(30)]
+    datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
+    data = build_training_data(DataSection(path=str(tmp_path / "saved"), seq_length=8), None, "none", 0)
+    stream = []
+    for row in rows:
+        stream += row["input_ids"] + [0]
+    assert list(np.asarray(data.train.tokens)) == stream
+
+
+@pytest.mark.parametrize("make, needle", [
+    (lambda p: p.write_text(""), "holds no documents"),
+    (lambda p: p.write_text(json.dumps({"body": "short"}) + "\n"), "fewer than seq_length + 1"),
+    (lambda p: p.write_text(json.dumps({"text": "x " * 100}) + "\n"), "hybrid3d.data.text_field: column 'body'"),
+])
+def test_bad_data_is_refused_naming_the_key(tmp_path, tokenizer, make, needle):
+    path = tmp_path / "bad.jsonl"
+    make(path)
+    with pytest.raises(ConfigError) as err:
+        build_training_data(DataSection(path=str(path), text_field="body", seq_length=64), tokenizer, "builtin",
+                            tokenizer.eos_token_id)
+    assert needle in str(err.value)
