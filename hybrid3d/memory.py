@@ -164,7 +164,8 @@ class RankModelStates:
         return max((self.boundary, self.step), key=lambda s: s.total)
 
 
-def _aligned(psi: int, nd: int) -> int:
+def aligned_numel(psi: int, nd: int) -> int:
+    """Ψ rounded up to DeepSpeed's flat-buffer alignment of 2·Nd elements."""
     unit = ALIGNMENT_FACTOR * nd
     return math.ceil(psi / unit) * unit
 
@@ -186,7 +187,7 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     wrapper = optimizer_wrapper(zero, precision, pp)
     psi, k = sum(numels), len(numels)
     lp = 4 if precision == "fp32" else 2
-    psi_a = _aligned(psi, nd)
+    psi_a = aligned_numel(psi, nd)
     part = psi_a // nd
     adam = 8 * part + 4  # exp_avg + exp_avg_sq of the flat fp32 partition, one step counter
     bucket = lp * reduce_bucket_size
