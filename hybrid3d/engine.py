@@ -8,6 +8,7 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 """
 
 import dataclasses
+from pathlib import Path
 from typing import Iterator, Optional
 
 import deepspeed
@@ -16,7 +17,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-from hybrid3d.checkpoint import universal_checkpoint_info
+from hybrid3d.checkpoint import read_meta, universal_checkpoint_info
 from hybrid3d.config import RunConfig, parse_config
 from hybrid3d.layout import ParallelLayout, ProcessGroups
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
@@ -59,9 +60,28 @@ class Trainer:
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> None:
         self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {})
 
-    def load(self, load_dir: str, tag: Optional[str] = None, **kwargs) -> dict:
+    def load(self, load_dir: str, tag: Optional[str] = None, module_only: Optional[bool] = None, **kwargs) -> dict:
+        """Load a checkpoint. `module_only` (None: detect it) loads the weights alone, keeping the
+        fresh optimizer, scheduler and step count: what a converted HF model (hf2hybrid) holds."""
+        if module_only is None:
+            module_only = self._is_module_only(Path(load_dir), tag)
+        if module_only:
+            kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
         _, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         return client_state or {}
+
+    def _is_module_only(self, load_dir: Path, tag: Optional[str]) -> bool:
+        """The tag's hybrid3d.json says so; without one, a ZeRO checkpoint lacking `*optim_states.pt`
+        files is weights only (without ZeRO the optimizer state sits in the model files instead)."""
+        if tag is None:
+            latest = load_dir / "latest"
+            if not latest.is_file():
+                return False  # DeepSpeed reports the missing tag
+            tag = latest.read_text().strip()
+        meta = read_meta(load_dir / tag)
+        if meta is not None:
+            return bool(meta.get("module_only", False))
+        return self.engine.zero_optimization() and not any((load_dir / tag).glob("*optim_states.pt"))
 
 
 class PipelineTrainer(Trainer):

@@ -1,0 +1,115 @@
+"""A hybrid3d DeepSpeed checkpoint (converted, or written by training), read one layer at a time.
+
+Only module weights are read: the `layer_XX-model_YY` files with a pipeline, the `module` of
+the `mp_rank_XX` files without one; optimizer files are ignored. Files are memory-mapped and
+reopened per layer, so the pages of finished layers are released.
+"""
+
+import pickle
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from deepspeed.checkpoint import constants as ds
+
+from hybrid3d.convert import ds_files
+from hybrid3d.convert.errors import ConversionError
+from hybrid3d.convert.metadata import SECTION
+
+
+# Training checkpoints store numpy's RNG state (an ndarray) in their client state. Rebuilding an
+# array of plain numbers runs no code, so it is allowed without --allow-pickle.
+_NUMPY_GLOBALS = [np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+                  getattr(np, "_core", getattr(np, "core", None)).multiarray._reconstruct]
+
+
+def load_torch_file(path: Path, allow_pickle: bool = False):
+    """`torch.load` memory-mapped and, unless allowed otherwise, restricted to tensors, plain data
+    and numpy arrays."""
+    try:
+        with torch.serialization.safe_globals(_NUMPY_GLOBALS):
+            return torch.load(path, map_location="cpu", weights_only=not allow_pickle, mmap=True)
+    except pickle.UnpicklingError:
+        raise ConversionError(f"{path}: holds objects other than tensors and plain data; pass --allow-pickle "
+                              "to load it anyway (only for checkpoints you trust)") from None
+    except (RuntimeError, OSError, EOFError) as e:
+        raise ConversionError(f"{path}: not a readable checkpoint file ({str(e).splitlines()[0]})") from None
+
+
+class HybridCheckpoint:
+    def __init__(self, root: Path, tag_dir: Path, tp: int, pp: int, record: dict, allow_pickle: bool):
+        self.root = root  # the folder holding `latest` (and `hf/` when converted)
+        self.tag_dir, self.tp, self.pp = tag_dir, tp, pp
+        self.record = record  # mp_rank_00's record without its module
+        self.allow_pickle = allow_pickle
+
+    @classmethod
+    def open(cls, checkpoint_dir, tag: Optional[str] = None, allow_pickle: bool = False) -> "HybridCheckpoint":
+        tag_dir, _ = ds_files.resolve_tag_dir(Path(checkpoint_dir), tag)
+        first = ds_files.model_states_file(tag_dir, 0, 0, 1)
+        if not first.is_file():
+            raise ConversionError(f"{first}: not found")
+        record = load_torch_file(first, allow_pickle)
+        record.pop("module", None)
+        tp, pp = _layout(record, first)
+        checkpoint = cls(tag_dir.parent, tag_dir, tp, pp, record, allow_pickle)
+        for stage in range(pp):
+            for rank in range(tp):
+                path = ds_files.model_states_file(tag_dir, stage, rank, tp)
+                if not path.is_file():
+                    raise ConversionError(f"{path}: not found (a tp={tp} pp={pp} checkpoint has "
+                                          f"{tp * pp} mp_rank files)")
+        return checkpoint
+
+    @property
+    def section(self) -> dict:
+        """The `hybrid3d` client state (HF config, layout), empty when training stored none."""
+        return self.record.get(SECTION) or {}
+
+    def check_layer_files(self, num_layers: int) -> None:
+        """Every `layer_XX-model_YY` file a pipeline checkpoint of `num_layers` global layers needs."""
+        if self.pp == 1:
+            return
+        for index in range(num_layers):
+            for rank in range(self.tp):
+                path = ds_files.layer_file(self.tag_dir, index, rank, self.tp)
+                if not path.is_file():
+                    raise ConversionError(f"{path}: not found")
+
+    def layer_tensors(self, index: int) -> list[tuple[Path, dict]]:
+        """Global layer `index` on each TP rank: (file, {key relative to the layer: tensor})."""
+        out = []
+        for rank in range(self.tp):
+            if self.pp > 1:
+                path = ds_files.layer_file(self.tag_dir, index, rank, self.tp)
+                out.append((path, load_torch_file(path, self.allow_pickle)))
+                continue
+            path = ds_files.model_states_file(self.tag_dir, 0, rank, self.tp)
+            module = load_torch_file(path, self.allow_pickle).get("module")
+            if not isinstance(module, dict):
+                raise ConversionError(f"{path}: has no module weights (a pp=1 checkpoint keeps them there)")
+            layer = {}
+            for name, tensor in module.items():
+                layer_index, key = ds_files.split_local_name(name)
+                if layer_index == index:
+                    layer[key] = tensor
+            out.append((path, layer))
+        return out
+
+    def stored_dtype(self) -> torch.dtype:
+        """The dtype of the embedding as stored (training writes bf16 or fp32 weights)."""
+        path, tensors = self.layer_tensors(0)[0]
+        if not tensors:
+            raise ConversionError(f"{path}: holds no weights of layer 0 (the embedding)")
+        return next(iter(tensors.values())).dtype
+
+
+def _layout(record: dict, path: Path) -> tuple[int, int]:
+    dims = record.get(ds.CHECKPOINT_PARALLEL_DIMS)
+    if dims:
+        return int(dims[ds.CHECKPOINT_TP_DEGREE]), int(dims[ds.CHECKPOINT_PP_DEGREE])
+    layout = (record.get(SECTION) or {}).get("layout")
+    if layout:
+        return int(layout["tp"]), int(layout["pp"])
+    raise ConversionError(f"{path}: no {ds.CHECKPOINT_PARALLEL_DIMS} or {SECTION}.layout to tell its TP/PP layout")

@@ -1,0 +1,129 @@
+"""hybrid2hf: a hybrid3d DeepSpeed checkpoint -> an HF Llama folder `from_pretrained` loads.
+
+TP shards are merged with `merge_tp_shards` (the inverse of the slicing table; it strips the
+vocabulary padding and refuses replicated tensors that differ between TP ranks). Layers are read
+one at a time and each merged tensor goes straight into a streamed safetensors shard, so the
+process holds one layer's shards and one merged tensor.
+
+The HF config comes from `--hf-config DIR` if given, else from the checkpoint (its `hybrid3d`
+client state or the tag's hybrid3d.json), else from the `hf/` folder that conversion and training
+keep next to it. Tokenizer and generation config files are copied from that folder (or from DIR).
+"""
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from transformers import GenerationConfig
+
+from hybrid3d.checkpoint import HF_FILES_DIR, read_meta
+from hybrid3d.convert import ds_files
+from hybrid3d.convert.errors import ConversionError
+from hybrid3d.convert.hf_source import read_hf_config
+from hybrid3d.convert.hybrid_source import HybridCheckpoint
+from hybrid3d.convert.metadata import hf_config_from_section
+from hybrid3d.convert.model_layout import hf_parameter_shapes
+from hybrid3d.convert.output import copy_metadata_files, staging_dir
+from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size
+from hybrid3d.layout import ParallelLayout
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import merge_tp_shards, param_specs
+from hybrid3d.model.layers import layer_classes
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+@dataclass(frozen=True)
+class Hybrid2HfResult:
+    out_dir: Path
+    layout: ParallelLayout
+    dtype: torch.dtype
+    files: list
+    seconds: float
+
+
+def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
+                 hf_config_dir=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
+                 allow_pickle: bool = False) -> Hybrid2HfResult:
+    """Export; `dtype` None keeps the stored dtype. Bad input raises a USER_ERRORS type before
+    anything is written (a damaged tensor found mid-way removes the partial output)."""
+    start = time.perf_counter()
+    checkpoint = HybridCheckpoint.open(checkpoint_dir, tag, allow_pickle)
+    config, side_dir = resolve_hf_config(checkpoint, hf_config_dir)
+    shape = LlamaShape.from_hf(config)
+    tp = checkpoint.tp
+    ParallelLayout(tp, checkpoint.pp, 1).check_model(shape)
+    specs = param_specs(shape, tp)
+    expected = hf_parameter_shapes(config)
+    mapped = {spec.hf_name for spec in specs}
+    if set(expected) != mapped:
+        raise RuntimeError(f"param_specs and LlamaForCausalLM disagree on {sorted(set(expected) ^ mapped)}")
+    num_layers = len(layer_classes(shape))
+    checkpoint.check_layer_files(num_layers)
+    dtype = dtype or checkpoint.stored_dtype()
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConversionError(f"max shard size: {e}") from None
+
+    by_layer = {}
+    for spec in specs:
+        by_layer.setdefault(ds_files.split_local_name(spec.local_name)[0], []).append(spec)
+
+    with staging_dir(out_dir) as staging:
+        writer = ShardedSafetensorsWriter(staging, [(s.hf_name, dtype, expected[s.hf_name]) for s in specs], max_bytes)
+        for index in sorted(by_layer):
+            shards = checkpoint.layer_tensors(index)
+            for spec in by_layer[index]:
+                writer.write(spec.hf_name, _merge(spec, shards, shape, expected[spec.hf_name]).to(dtype))
+            del shards
+        files = writer.close()
+        _write_configs(config, dtype, side_dir, staging)
+    return Hybrid2HfResult(Path(out_dir), ParallelLayout(tp, checkpoint.pp, 1), dtype, [f.name for f in files],
+                           time.perf_counter() - start)
+
+
+def resolve_hf_config(checkpoint: HybridCheckpoint, hf_config_dir=None):
+    """(HF config, folder to copy tokenizer/generation files from, or None). Sources, first found:
+    `hf_config_dir`; the `hybrid3d` client state; the tag's hybrid3d.json; the `hf/` folder."""
+    kept = checkpoint.root / HF_FILES_DIR
+    kept = kept if kept.is_dir() else None
+    if hf_config_dir is not None:
+        return read_hf_config(Path(hf_config_dir)), Path(hf_config_dir)
+    config = hf_config_from_section(checkpoint.section) or hf_config_from_section(read_meta(checkpoint.tag_dir))
+    if config is not None:
+        return config, kept
+    if kept is not None:
+        return read_hf_config(kept), kept
+    raise ConversionError(f"{checkpoint.tag_dir}: the checkpoint stores no HF config and {checkpoint.root} has no "
+                          f"{HF_FILES_DIR}/ folder; pass --hf-config with the original model folder")
+
+
+def _merge(spec, shards, shape: LlamaShape, full_shape: torch.Size) -> torch.Tensor:
+    layer_index, key = ds_files.split_local_name(spec.local_name)
+    pieces = []
+    for path, tensors in shards:
+        if key not in tensors:
+            raise ConversionError(f"{path}: lacks '{key}' of layer {layer_index} ({spec.hf_name})")
+        pieces.append(tensors[key])
+    try:
+        full = merge_tp_shards(spec, pieces, shape)
+    except (ValueError, RuntimeError) as e:  # replicated copies differ, or shard shapes do not concatenate
+        raise ConversionError(f"{shards[0][0].parent}: {spec.hf_name}: {str(e).splitlines()[0]}") from None
+    if full.shape != full_shape:
+        raise ConversionError(f"{shards[0][0]}: '{key}' of layer {layer_index} merges to {tuple(full.shape)}, "
+                              f"config.json implies {tuple(full_shape)} for {spec.hf_name}")
+    return full
+
+
+def _write_configs(config, dtype: torch.dtype, side_dir: Optional[Path], out: Path) -> None:
+    """config.json for the exported dtype; generation config and tokenizer files copied when
+    known, else a generation config derived from the model config."""
+    config.architectures = ["LlamaForCausalLM"]
+    config.dtype = dtype
+    copied = copy_metadata_files(side_dir, out, skip={"config.json"}) if side_dir is not None else []
+    config.save_pretrained(out)
+    if "generation_config.json" not in copied:
+        GenerationConfig.from_model_config(config).save_pretrained(out)
