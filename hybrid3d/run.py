@@ -6,6 +6,7 @@ import math
 import random
 import signal
 import time
+import warnings
 from pathlib import Path
 
 import deepspeed
@@ -21,6 +22,9 @@ from hybrid3d.data import build_training_data, micro_batches
 from hybrid3d.engine import build_trainer
 from hybrid3d.flops import peak_tflops, training_flops_per_token
 from hybrid3d.metrics import MetricsLogger, info
+
+# DeepSpeed's ZeRO-1 all-gather calls a deprecated torch alias once per step on every rank.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
 
 
 def rank0_first(fn, rank: int):
@@ -68,6 +72,12 @@ class StopRequest:
         flag = torch.tensor([1 if self.signal_name else 0], dtype=torch.int32)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)
         return bool(flag.item())
+
+    def who(self) -> str:
+        """'SIGTERM (rank 1)': which signals reached which ranks (a collective)."""
+        names = [None] * dist.get_world_size()
+        dist.all_gather_object(names, self.signal_name)
+        return ", ".join(f"{name} (rank {rank})" for rank, name in enumerate(names) if name)
 
 
 def layout_summary(trainer) -> list[str]:
@@ -205,9 +215,9 @@ def run_job(job, eval_only: bool, rank: int) -> int:
             save(step)
             last_saved = step
         if stop.agreed():
+            who = stop.who()
             path = save(step) if last_saved != step else save_dir / tag_for_step(step)
-            info(f"stopped by {stop.signal_name or 'a signal on another rank'} after step {step}; "
-                 f"checkpoint {path}", is_rank0)
+            info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
             return 0
     path = save(step) if last_saved != step else save_dir / tag_for_step(step)
     info(f"done: {step} steps; checkpoint {path}; metrics {output_dir / 'metrics.jsonl'}", is_rank0)

@@ -6,6 +6,7 @@ user error ends every rank with one line on stderr, exit code 2, and nothing wri
 
 import argparse
 import dataclasses
+import glob
 import os
 import sys
 from pathlib import Path
@@ -70,7 +71,7 @@ def prepare(args, overrides, world_size: int) -> Job:
                           f"max_position_embeddings ({shape.max_position_embeddings})")
     if train.eval_interval and not (data.eval_path or data.eval_fraction):
         raise ConfigError("hybrid3d.train.eval_interval needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
-    if data.path is not None and not any(Path().glob(data.path)) and not Path(data.path).exists():
+    if data.path is not None and not glob.glob(data.path):
         raise ConfigError(f"hybrid3d.data.path: {data.path} does not exist")
     if data.eval_path is not None and not Path(data.eval_path).exists():
         raise ConfigError(f"hybrid3d.data.eval_path: {data.eval_path} does not exist")

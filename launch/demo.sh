@@ -1,0 +1,8 @@
+#!/usr/bin/env bash
+# The CPU demo on a fresh machine: install, then train a tiny Llama at TP2 x PP2 on 4 gloo ranks
+# on the built-in corpus. Extra arguments are config overrides, e.g. --train.steps 20.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
+python -m pip install --quiet -e .
+exec deepspeed --num_gpus 4 launch/train.py --deepspeed_config ds_configs/cpu_demo.json "$@"

@@ -1,0 +1,132 @@
+"""The training entry point end to end through the `deepspeed` launcher, plus its input checks.
+
+Launches (each a few seconds of start-up on 2 cores) are shared through module fixtures:
+one uninterrupted TP2xPP2 run, one run stopped by SIGTERM and resumed, and eval-only loads of
+the uninterrupted run's checkpoint at other layouts through the universal checkpoint.
+"""
+
+import json
+import math
+import re
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from hybrid3d.train import main
+from tests.launcher import REPO, deepspeed_command, launch, read_metrics, launch_env
+
+STEPS = 8
+METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
+
+
+def demo_config(tmp: Path, **hybrid_edits) -> Path:
+    """The shipped CPU demo, shortened: 8 steps of 64 tokens, checkpoints and evals every 4."""
+    config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
+    config["scheduler"]["params"]["total_num_steps"] = STEPS
+    config["scheduler"]["params"]["warmup_num_steps"] = 2
+    section = config["hybrid3d"]
+    section["data"]["seq_length"] = 64
+    section["train"].update(steps=STEPS, log_interval=1, eval_interval=4, eval_steps=2, output_dir=str(tmp / "run"))
+    section["checkpoint"] = {"save_interval": 4, "keep_last": 0}
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp / "monitor"), "job_name": "demo"}
+    for key, value in hybrid_edits.items():
+        section[key] = value
+    path = tmp / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    config = demo_config(tmp)
+    result = launch(4, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return dict(tmp=tmp, config=config, out=tmp / "run", result=result, metrics=read_metrics(tmp / "run"))
+
+
+def test_demo_trains_and_loss_falls(uninterrupted):
+    metrics = uninterrupted["metrics"]
+    assert [m["step"] for m in metrics] == list(range(1, STEPS + 1))
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, [m["loss"] for m in metrics]
+    for record in metrics:
+        assert METRIC_FIELDS <= set(record)
+        assert record["tokens_per_s"] > 0 and record["tflops"] > 0 and record["grad_norm"] > 0
+    assert [m["step"] for m in metrics if "eval_loss" in m] == [4, 8]
+    stdout = uninterrupted["result"].stdout
+    assert "layout TP2-PP2-DP1" in stdout and "stage 1: layers" in stdout
+    assert f"done: {STEPS} steps; checkpoint {uninterrupted['out'] / 'checkpoints' / 'global_step8'}" in stdout
+    checkpoints = uninterrupted["out"] / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "global_step8"
+    assert (checkpoints / "global_step4" / "hybrid3d.json").is_file()
+    assert (checkpoints / "hf" / "tokenizer.json").is_file()
+    # DeepSpeed's csv monitor received hybrid3d's values (and its own).
+    monitored = {p.name for p in (uninterrupted["tmp"] / "monitor").rglob("*.csv")}
+    assert "Train_hybrid3d_tokens_per_s.csv" in monitored and "Eval_hybrid3d_loss.csv" in monitored, monitored
+
+
+def _layer_states(tag_dir: Path) -> dict:
+    return {p.name: torch.load(p, map_location="cpu", weights_only=True)
+            for p in sorted(tag_dir.glob("layer_*-model_states.pt"))}
+
+
+@pytest.fixture(scope="module")
+def interrupted(tmp_path_factory):
+    """The same run, stopped by SIGTERM to one rank after step 2, then resumed from `latest`."""
+    tmp = tmp_path_factory.mktemp("interrupted")
+    config = demo_config(tmp)
+    proc = subprocess.Popen(deepspeed_command(4, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp, env=launch_env())
+    metrics = tmp / "run" / "metrics.jsonl"
+    deadline = time.time() + 300
+    while time.time() < deadline and proc.poll() is None:
+        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
+            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
+                     if any("--local_rank=1" in a for a in p.cmdline())]
+            ranks[0].send_signal(signal.SIGTERM)
+            break
+        time.sleep(0.2)
+    first_output, _ = proc.communicate(timeout=300)
+    resumed = launch(4, config, "--checkpoint.load", "latest")
+    return dict(first_rc=proc.returncode, first_output=first_output, resumed=resumed, out=tmp / "run")
+
+
+def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
+    assert interrupted["first_rc"] == 0, interrupted["first_output"][-3000:]
+    stopped = re.search(r"stopped by SIGTERM \(rank 1\) after step (\d+); checkpoint (\S+)", interrupted["first_output"])
+    assert stopped, interrupted["first_output"][-3000:]
+    stop_step = int(stopped.group(1))
+    assert 2 <= stop_step < STEPS
+    resumed = interrupted["resumed"]
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"at step {stop_step}" in resumed.stdout
+    metrics = read_metrics(interrupted["out"])
+    assert [m["step"] for m in metrics] == list(range(1, stop_step + 1)) + list(range(stop_step + 1, STEPS + 1))
+    # fp32 on the CPU: the interrupted-and-resumed run is the uninterrupted run, bit for bit.
+    assert [m["loss"] for m in metrics] == [m["loss"] for m in uninterrupted["metrics"]]
+    assert [m.get("eval_loss") for m in metrics] == [m.get("eval_loss") for m in uninterrupted["metrics"]]
+    final = _layer_states(interrupted["out"] / "checkpoints" / "global_step8")
+    reference = _layer_states(uninterrupted["out"] / "checkpoints" / "global_step8")
+    assert final.keys() == reference.keys() and len(final) == 14
+    for name in final:
+        for key in final[name]:
+            assert torch.equal(final[name][key], reference[name][key]), (name, key)
+
+
+@pytest.mark.parametrize("num_gpus, overrides", [
+    (1, ["--tensor_parallel_size", "1", "--pipeline_parallel_size", "1"]),
+    (4, ["--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
+], ids=["TP1-PP1-DP1", "TP1-PP2-DP2"])
+def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
+    result = launch(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
+                    str(uninterrupted["out"] / "checkpoints"), "--eval-only")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in result.stdout
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
+    reference = uninterrupted["metrics"][-1]["eval_loss"]
+    assert math.isclose(eval_loss, reference, rel_tol=1e-5), (eval_loss, reference)

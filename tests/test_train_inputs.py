@@ -1,0 +1,129 @@
+"""Bad input to the training entry point: one line naming the key or file, exit code 2, nothing
+written. These run `hybrid3d.train.main` in-process (the checks precede any process group); one
+case goes through the real launcher to prove the exit code reaches the shell."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hybrid3d.config import ConfigError, apply_overrides, parse_config
+from hybrid3d.layout import ParallelLayout
+from hybrid3d.model import LlamaShape
+from hybrid3d.model.presets import preset_config
+from hybrid3d.train import main
+from tests.launcher import REPO, launch
+
+DEMO = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
+
+
+def write_config(tmp_path, edit=None, text=None) -> Path:
+    config = json.loads(json.dumps(DEMO))
+    config["hybrid3d"]["train"]["output_dir"] = str(tmp_path / "out")
+    if edit:
+        edit(config)
+    path = tmp_path / "config.json"
+    path.write_text(text if text is not None else json.dumps(config))
+    return path
+
+
+def h(config):
+    return config["hybrid3d"]
+
+
+# (case id, edit of the demo config or raw text, extra argv, WORLD_SIZE, text the message must contain)
+BAD_INPUTS = [
+    ("invalid-json", None, "{not json", [], 4, "invalid JSON at line 1"),
+    ("unknown-section-key", lambda c: h(c).update(tensor_paralel_size=2), None, [], 4,
+     "hybrid3d.tensor_paralel_size is not a known key"),
+    ("unknown-nested-key", lambda c: h(c)["train"].update(stepz=3), None, [], 4, "hybrid3d.train.stepz is not a known key"),
+    ("wrong-type", lambda c: h(c)["train"].update(steps="ten"), None, [], 4, "hybrid3d.train.steps must be an integer"),
+    ("negative", lambda c: h(c)["data"].update(seq_length=-1), None, [], 4, "hybrid3d.data.seq_length must be >= 1"),
+    ("bool-type", lambda c: h(c)["data"].update(shuffle="yes"), None, [], 4, "hybrid3d.data.shuffle must be true or false"),
+    ("unknown-preset", lambda c: h(c)["model"].update(preset="llama9"), None, [], 4, "preset 'llama9'"),
+    ("no-model", lambda c: h(c).update(model={}), None, [], 4, "hybrid3d.model: set preset"),
+    ("both-models", lambda c: h(c)["model"].update(hf_model="x"), None, [], 4, "are exclusive"),
+    ("hf-model-missing", lambda c: h(c).update(model={"hf_model": "/nonexistent/llama"}), None, [], 4,
+     "hybrid3d.model.hf_model: /nonexistent/llama is not a folder"),
+    ("bad-override-field", lambda c: h(c)["model"].update(config_overrides={"hidden_sise": 8}), None, [], 4,
+     "hybrid3d.model.config_overrides.hidden_sise is not a LlamaConfig field"),
+    ("data-missing", lambda c: h(c)["data"].update(path="/nonexistent/data.jsonl"), None, [], 4,
+     "hybrid3d.data.path: /nonexistent/data.jsonl does not exist"),
+    ("tokenizer-missing", lambda c: h(c)["data"].update(tokenizer="/nonexistent/tok"), None, [], 4,
+     "hybrid3d.data.tokenizer: /nonexistent/tok is not a folder"),
+    ("seq-too-long", lambda c: h(c)["data"].update(seq_length=4096), None, [], 4,
+     "hybrid3d.data.seq_length (4096) exceeds the model's max_position_embeddings (512)"),
+    ("zero2-pipeline", lambda c: c["zero_optimization"].update(stage=2), None, [], 4,
+     "zero_optimization.stage=2 cannot run with hybrid3d.pipeline_parallel_size=2"),
+    ("world-not-divisible", None, None, [], 6, "world size 6 is not divisible by hybrid3d.tensor_parallel_size"),
+    ("batch-arithmetic", lambda c: c.update(train_batch_size=7), None, [], 4, "train_batch_size (7) !="),
+    ("heads-not-divisible", lambda c: h(c).update(tensor_parallel_size=3, pipeline_parallel_size=1), None, [], 3,
+     "num_attention_heads (4) is not divisible by tensor_parallel_size (3)"),
+    ("too-many-stages", lambda c: h(c).update(tensor_parallel_size=1, pipeline_parallel_size=8), None, [], 8,
+     "pipeline_parallel_size (8) exceeds num_hidden_layers (4)"),
+    ("checkpoint-missing", lambda c: h(c)["checkpoint"].update(load="/nonexistent/ckpt"), None, [], 4,
+     "hybrid3d.checkpoint.load: /nonexistent/ckpt is not a folder"),
+    ("eval-without-data", lambda c: h(c)["data"].update(eval_fraction=0.0), None, [], 4,
+     "hybrid3d.train.eval_interval needs hybrid3d.data.eval_path"),
+    ("eval-only-without-load", None, None, ["--eval-only"], 4, "--eval-only needs hybrid3d.checkpoint.load"),
+    ("override-without-value", None, None, ["--train.steps"], 4, "override --train.steps has no value"),
+    ("positional-argument", None, None, ["stray"], 4, "unexpected argument 'stray'"),
+    ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
+     "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
+]
+
+
+@pytest.mark.parametrize("case, edit, text, argv, world, needle", BAD_INPUTS, ids=[c[0] for c in BAD_INPUTS])
+def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, case, edit, text, argv, world, needle):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("RANK", "0")
+    config = write_config(tmp_path, edit, text)
+    assert main(["--deepspeed_config", str(config), *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err and needle in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_config_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert main(["--deepspeed_config", str(tmp_path / "nope.json")]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'nope.json'}: config file not found"
+
+
+def test_overrides_route_to_the_right_section():
+    raw = {"hybrid3d": {"train": {"steps": 5}}, "zero_optimization": {"stage": 1}}
+    log = apply_overrides(raw, [("train.steps", "7"), ("zero_optimization.stage", "0"), ("model.preset", "tiny"),
+                                ("hybrid3d.seed", "3"), ("bf16", '{"enabled": true}')])
+    assert raw["hybrid3d"]["train"]["steps"] == 7 and raw["hybrid3d"]["model"]["preset"] == "tiny"
+    assert raw["hybrid3d"]["seed"] == 3 and raw["zero_optimization"]["stage"] == 0 and raw["bf16"]["enabled"]
+    assert log[0] == "hybrid3d.train.steps: 5 -> 7"
+
+
+# Each shipped config at the world size it is written for.
+SHIPPED = {"cpu_demo.json": 4, "zero1_pipeline.json": 4, "zero2_tp_dp.json": 4, "activation_checkpointing.json": 4,
+           "bf16_fp32_masters.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64}
+
+
+def test_every_shipped_config_is_listed():
+    assert {p.name for p in (REPO / "ds_configs").glob("*.json")} == set(SHIPPED)
+
+
+@pytest.mark.parametrize("name, world", SHIPPED.items())
+def test_shipped_config_is_valid(name, world):
+    raw = json.loads((REPO / "ds_configs" / name).read_text())
+    shape = LlamaShape.from_hf(preset_config(raw["hybrid3d"]["model"]["preset"]))
+    parsed = parse_config(raw, world, num_layers=shape.num_layers, on_cpu=False)
+    layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp)
+    layout.check_model(shape)
+    ds = parsed.ds_config
+    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp
+    assert parsed.hybrid.data.seq_length <= shape.max_position_embeddings
+
+
+def test_launcher_passes_the_exit_code_through(tmp_path):
+    config = write_config(tmp_path, lambda c: h(c)["train"].update(stepz=3))
+    result = launch(2, config, timeout=300)
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert output.count("error: hybrid3d.train.stepz is not a known key") == 1
+    assert not (tmp_path / "out").exists()
