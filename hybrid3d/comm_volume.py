@@ -42,12 +42,11 @@ def tp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage
 
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,
                       grad_bytes: int = 2, param_bytes: int = 2) -> int:
-    """Logged DP-collective bytes of one rank per step (0 when dp == 1)."""
-    if dp == 1:
-        return 0
+    """Logged DP-collective bytes of one rank per step. DeepSpeed issues the gradient all-reduce also
+    over a group of one rank (dp = 1), where it moves nothing; the all-gather it skips."""
     psi = sum(stage_parameter_numels(shape, tp, pp, stage))
     reduce = psi * grad_bytes * (gas if zero == 2 else 1)
-    gather = aligned_numel(psi, dp) // dp * param_bytes if zero in (1, 2) else 0
+    gather = aligned_numel(psi, dp) // dp * param_bytes if zero in (1, 2) and dp > 1 else 0
     return reduce + gather
 
 

@@ -1,0 +1,157 @@
+"""Helpers shared by the benchmarks: a spawned gloo world, peak-RSS windows, collective accounting from
+DeepSpeed's comms logger, and the machine/version block of a write-up."""
+
+import datetime
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import time
+
+import torch
+import torch.multiprocessing as mp
+
+# Caller function of each logged collective (comms logger with `debug: true`) -> traffic class.
+# tp: hybrid3d.tensor_parallel's mappings and cross entropy; dp: DeepSpeed's gradient reduction and
+# ZeRO's parameter all-gather; pp: pipeline send/recv; pp_gather: PipelineEngine re-assembling
+# TP-partitioned activations/gradients; control: scalar reductions (norms, overflow, loss).
+CALLER_CLASSES = {
+    "_all_reduce": "tp", "_gather_last_dim": "tp",
+    "allreduce_bucket": "dp", "allreduce_and_copy": "dp", "all_gather_into_tensor_dp_groups": "dp",
+    "all_gather_dp_groups": "dp", "average_tensor": "dp", "reduce_scatter_coalesced": "dp",
+    "send": "pp", "recv": "pp", "full": "pp_gather", "_exec_reduce_tied_grads": "pp_tied",
+    "has_overflow": "control", "get_grad_norm_direct": "control", "get_weight_norm": "control",
+    "_model_parallel_all_reduce": "control", "_aggregate_total_loss": "control", "_dp_mean": "control",
+    "get_global_norm_of_tensors": "control", "get_global_norm": "control",
+}
+TRAFFIC_CLASSES = ("tp", "dp", "pp", "pp_gather", "pp_tied", "control", "other")
+
+
+def caller_of(record_name: str) -> str:
+    """'all_reduce | [Caller Func: _all_reduce]' -> '_all_reduce'."""
+    return record_name.split("[Caller Func: ")[-1].rstrip("]") if "[Caller Func:" in record_name else record_name
+
+
+def classify_comms(comms_dict: dict) -> tuple[dict, dict]:
+    """Bytes per traffic class and per caller from `deepspeed.comm.comms_logger.comms_dict`
+    ({record name: {message bytes: [count, latencies, ...]}})."""
+    by_class = dict.fromkeys(TRAFFIC_CLASSES, 0)
+    by_caller = {}
+    for record, sizes in comms_dict.items():
+        caller = caller_of(record)
+        total = sum(int(size) * entry[0] for size, entry in sizes.items())
+        by_class[CALLER_CLASSES.get(caller, "other")] += total
+        by_caller[caller] = by_caller.get(caller, 0) + total
+    return by_class, by_caller
+
+
+def reset_peak_rss() -> int:
+    """Reset the kernel's peak-RSS mark of this process (Linux clear_refs 5); returns the RSS in bytes."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _status_kb("VmRSS") * 1024
+
+
+def peak_rss() -> int:
+    """Peak RSS in bytes since the last `reset_peak_rss`."""
+    return _status_kb("VmHWM") * 1024
+
+
+def _status_kb(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{key} not in /proc/self/status")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_entry(rank, fn, world_size, port, result_dir, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    import deepspeed
+    import deepspeed.comm as dist
+
+    backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
+    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    result = fn(rank, world_size, *args)
+    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def run_world(fn, world_size: int, result_dir: str, *args) -> list:
+    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return each rank's result."""
+    os.makedirs(result_dir, exist_ok=True)
+    mp.start_processes(_rank_entry, args=(fn, world_size, _free_port(), result_dir, args), nprocs=world_size,
+                       start_method="spawn", join=True)
+    return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def timed(fn, barrier) -> float:
+    """Seconds `fn()` takes between two barriers (every rank calls it)."""
+    barrier()
+    start = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - start
+
+
+def median(values):
+    return statistics.median(values) if values else float("nan")
+
+
+def machine_name() -> str:
+    return platform.node().split(".")[0] or "machine"
+
+
+def results_dir(root: str) -> str:
+    return os.path.join(root, f"{datetime.date.today().isoformat()}-{machine_name()}")
+
+
+def environment() -> dict:
+    """Hardware, versions and commit for a write-up."""
+    import deepspeed
+    import transformers
+
+    cpu = platform.processor() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def git(*cmd):
+        try:
+            return subprocess.run(["git", *cmd], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
+        except (OSError, subprocess.CalledProcessError):
+            return "unknown"
+
+    gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
+    return {
+        "machine": machine_name(), "cpu": cpu, "cores": os.cpu_count(), "gpu": gpu,
+        "memory_gb": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+        "transformers": transformers.__version__,
+        "commit": git("rev-parse", "--short", "HEAD"),
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+    }
+
+
+def environment_markdown(env: dict, command: str) -> str:
+    return "\n".join([
+        f"- machine: {env['machine']}, {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GiB RAM, GPU: {env['gpu']}",
+        f"- versions: Python {env['python']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
+        f"transformers {env['transformers']}",
+        f"- commit: {env['commit']}{' (with uncommitted changes)' if env['dirty'] else ''}",
+        f"- command: `{command}`",
+    ])

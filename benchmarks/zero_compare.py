@@ -1,0 +1,190 @@
+"""ZeRO 0/1/2 across layouts and model sizes: measured per-rank memory, time and traffic next to
+`hybrid3d.memory` and `hybrid3d.comm_volume`.
+
+One spawned world runs every configuration in turn, `--repeats` times round-robin, so the
+throughput figures of all configurations come from the same minutes of the same machine. Per
+configuration and rank:
+- model-state bytes counted from the optimizer's own tensors (`hybrid3d.memory_probe.PeakProbe`)
+  during the second step, against `hybrid3d.memory.rank_model_states`;
+- peak RSS of the configuration (the kernel's high-water mark, reset before it is built);
+- collective bytes of one step from DeepSpeed's comms logger, split by caller into TP, DP and
+  pipeline traffic, against `hybrid3d.comm_volume`;
+- step time (median over `--steps` timed steps of every repeat) and tokens/s of the world.
+
+    python benchmarks/zero_compare.py --quick
+    python benchmarks/zero_compare.py --sizes S,M --layouts DP4,TP2xDP2,PP2xDP2,TP2xPP2 --zero 0,1,2
+"""
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
+from common import classify_comms, environment, median, peak_rss, reset_peak_rss, results_dir, run_world, timed  # noqa: E402
+
+SIZES = {  # small Llamas that train in well under a second per step on 2 CPU cores
+    "S": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
+              head_dim=32),
+    "M": dict(vocab_size=8192, hidden_size=256, intermediate_size=688, num_layers=4, num_heads=8, num_kv_heads=4,
+              head_dim=32),
+}
+LAYOUTS = {"DP4": (1, 1, 4), "TP2xDP2": (2, 1, 2), "PP2xDP2": (1, 2, 2), "TP2xPP2": (2, 2, 1), "TP4": (4, 1, 1),
+           "PP4": (1, 4, 1), "DP2": (1, 1, 2), "DP8": (1, 1, 8), "TP2xPP2xDP2": (2, 2, 2)}
+REDUCE_BUCKET = 500_000  # elements; part of the predicted model states
+
+
+def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch):
+    config = {
+        "train_batch_size": global_batch,
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": REDUCE_BUCKET,
+                              "allgather_bucket_size": REDUCE_BUCKET},
+        "comms_logger": {"enabled": True, "debug": True, "prof_all": False, "verbose": False},
+        "steps_per_print": 10**9,
+        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+    }
+    if precision != "fp32":
+        config["bf16"] = {"enabled": True}
+    if precision == "bf16+fp32acc":
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+    return config
+
+
+def run_config(run: dict, steps: int) -> dict:
+    """Build, warm up, measure one step, time `steps` steps; this rank's figures."""
+    import deepspeed.comm as dist
+    from deepspeed.comm import comms_logger
+
+    from hybrid3d.engine import build_trainer
+    from hybrid3d.memory_probe import PeakProbe
+    from hybrid3d.model import LlamaShape
+
+    gc.collect()
+    rss_base = reset_peak_rss()
+    shape = LlamaShape(**SIZES[run["size"]])
+    tp, pp, dp = run["tp"], run["pp"], run["dp"]
+    trainer = build_trainer(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
+                                      run["micro_batch"]), shape)
+    probe = PeakProbe(trainer.engine)
+    # TP ranks and the first/last pipeline stages of one replica must read the same stream.
+    generator = torch.Generator().manual_seed(trainer.groups.get_data_parallel_rank())
+    seq, mb = run["seq"], run["micro_batch"]
+
+    def batches():
+        while True:
+            tokens = torch.randint(0, shape.vocab_size, (mb, seq + 1), generator=generator)
+            yield tokens[:, :-1], tokens[:, 1:]
+
+    data = batches()
+    trainer.train_step(data)  # step 1 creates Adam's moments
+    probe.enabled = True
+    comms_logger.comms_dict.clear()
+    comms_logger.prof_all = True
+    trainer.train_step(data)
+    comms_logger.prof_all = False
+    comms_logger.enabled = False  # no per-op synchronisation in the timed steps
+    probe.enabled = False
+    traffic, callers = classify_comms(comms_logger.comms_dict)
+    times = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
+    peak = probe.peak()
+    result = {
+        "stage": trainer.groups.stage_id, "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),
+        "dp_rank": trainer.groups.get_data_parallel_rank(), "wrapper": type(trainer.engine.optimizer).__name__,
+        "states": dict(peak.by_category), "states_boundary": probe.snapshots["boundary"].by_category,
+        "states_step": probe.snapshots["step"].by_category, "traffic": traffic, "callers": callers,
+        "step_times": times, "rss_base": rss_base,
+    }
+    dist.barrier()
+    del trainer, probe, data
+    gc.collect()
+    result["rss_peak"] = peak_rss()
+    return result
+
+
+def world_main(rank, world_size, runs, repeats, steps):
+    out = {}
+    for repeat in range(repeats):
+        for run in runs:
+            result = run_config(run, steps)
+            if repeat == 0:
+                out[run["name"]] = result
+            else:
+                out[run["name"]]["step_times"] += result["step_times"]
+                out[run["name"]]["rss_peak"] = max(out[run["name"]]["rss_peak"], result["rss_peak"])
+            out[run["name"]].setdefault("repeat_medians", []).append(median(result["step_times"]))
+    return out
+
+
+def plan_runs(args) -> list:
+    runs = []
+    for size in args.sizes:
+        for layout in args.layouts:
+            tp, pp, dp = LAYOUTS[layout]
+            if tp * pp * dp != args.world:
+                raise SystemExit(f"error: layout {layout} needs {tp * pp * dp} ranks, --world is {args.world}")
+            if args.global_batch % (dp * args.micro_batch):
+                raise SystemExit(f"error: --global-batch {args.global_batch} is not divisible by "
+                                 f"dp x micro-batch = {dp} x {args.micro_batch}")
+            for zero in args.zero:
+                if zero == 2 and pp > 1:
+                    continue  # DeepSpeed's PipelineEngine supports ZeRO 0/1 only
+                precision = args.precision
+                if precision == "bf16+fp32acc" and zero == 0:
+                    precision = "bf16"  # fp32 accumulation needs ZeRO >= 1 (BF16_Optimizer)
+                runs.append(dict(name=f"{size}-{layout}-Z{zero}", size=size, layout=layout, tp=tp, pp=pp, dp=dp,
+                                 zero=zero, precision=precision, seq=args.seq_length, micro_batch=args.micro_batch,
+                                 global_batch=args.global_batch))
+    return runs
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="the default CPU set, 2 repeats x 3 steps")
+    parser.add_argument("--sizes", default="S,M")
+    parser.add_argument("--layouts", default="DP4,TP2xDP2,PP2xDP2,TP2xPP2")
+    parser.add_argument("--zero", default="0,1,2")
+    parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16+fp32acc", "fp32"))
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--seq-length", type=int, default=128)
+    parser.add_argument("--micro-batch", type=int, default=2)
+    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, equal for all layouts")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.repeats = 3, 2
+    args.sizes = [s for s in args.sizes.split(",") if s]
+    args.layouts = [s for s in args.layouts.split(",") if s]
+    args.zero = [int(z) for z in args.zero.split(",") if z]
+    for name in args.sizes:
+        if name not in SIZES:
+            parser.error(f"unknown size {name} (known: {', '.join(SIZES)})")
+    for name in args.layouts:
+        if name not in LAYOUTS:
+            parser.error(f"unknown layout {name} (known: {', '.join(LAYOUTS)})")
+    return args
+
+
+def main(argv=None):
+    from report import write_results
+
+    args = parse_args(argv)
+    runs = plan_runs(args)
+    command = "python benchmarks/zero_compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        results = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
+    out_dir = results_dir(args.out)
+    write_results(out_dir, runs, results, SIZES, REDUCE_BUCKET, environment(), command)
+    print(f"results in {out_dir}")
+
+
+if __name__ == "__main__":
+    main()
