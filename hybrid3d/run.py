@@ -112,13 +112,11 @@ def evaluate(trainer, data, job, dp_rank) -> float:
 
 def load_checkpoint(trainer, plan) -> dict:
     """Load per the plan; return the hybrid3d client state ({} for a weights-only checkpoint)."""
-    if plan.module_only:
-        trainer.engine.load_checkpoint(str(plan.load_dir), tag=plan.tag, load_module_only=True,
-                                       load_optimizer_states=False, load_lr_scheduler_states=False)
-        return {}
     tag = plan.universal_tag if plan.universal else plan.tag
-    _, client_state = trainer.engine.load_checkpoint(str(plan.load_dir), tag=tag)
-    if client_state is None:
+    client_state = trainer.load(str(plan.load_dir), tag=tag, module_only=plan.module_only)
+    if plan.module_only:
+        return {}
+    if not client_state:
         raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {plan.load_dir / tag}")
     return client_state.get("hybrid3d", {})
 

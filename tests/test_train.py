@@ -130,3 +130,38 @@ def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, nu
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     reference = uninterrupted["metrics"][-1]["eval_loss"]
     assert math.isclose(eval_loss, reference, rel_tol=1e-5), (eval_loss, reference)
+
+
+def test_training_starts_from_hf_weights(tmp_path):
+    """`model.hf_model` + `init_from_hf`: the first step's loss is HF's loss on the same batch."""
+    import torch.nn.functional as F
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    from hybrid3d.config import DataSection
+    from hybrid3d.data import build_training_data, micro_batches
+    from hybrid3d.data.builtin import builtin_tokenizer_path
+    from tests.tiny_llama import make_hf_llama
+
+    tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_path())
+    model_dir = tmp_path / "hf"
+    make_hf_llama(str(model_dir), "gqa_llama3", vocab_size=len(tokenizer), max_position_embeddings=256)
+    tokenizer.save_pretrained(model_dir)
+    docs = tmp_path / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Example {i}: " + "the quick brown fox " * (i % 5 + 3)}) + "\n"
+                            for i in range(200)))
+    config = demo_config(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=1,
+                         model={"hf_model": str(model_dir), "init_from_hf": True})
+    raw = json.loads(config.read_text())
+    raw["hybrid3d"]["data"] = {"path": str(docs), "seq_length": 64}
+    raw["hybrid3d"]["train"].update(steps=1, eval_interval=0)
+    config.write_text(json.dumps(raw))
+    result = launch(2, config)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    loss = read_metrics(tmp_path / "run")[0]["loss"]
+
+    data = build_training_data(DataSection(path=str(docs), seq_length=64), tokenizer, "t", tokenizer.eos_token_id)
+    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))
+    hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
+    with torch.no_grad():
+        expected = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()
+    assert math.isclose(loss, expected, rel_tol=1e-5), (loss, expected)
