@@ -12,6 +12,29 @@ from hybrid3d.model import LlamaShape
 
 CATEGORIES = ("params", "grads", "master", "optim_states")
 STATE_TARGET, COMM_TARGET = 0.02, 0.05
+NOTES = """## How to read it
+
+- Model states: the larger of two snapshots of the optimizer's tensors in the second step (after the
+  last backward, before the DP reduction; at the base optimizer's step), one row per configuration
+  and stage showing its rank with the largest error; `rows.csv` has every rank and category.
+  Predicted by `hybrid3d.memory.rank_model_states` (see docs/memory.md).
+- Peak RSS: the process's high-water mark while the configuration was built and trained (reset
+  before each); it includes the ~0.4 GB of Python, torch and DeepSpeed every rank carries.
+- Traffic: bytes passed to collectives in one step as DeepSpeed's comms logger records them (message
+  sizes, not wire bytes), classified by calling function: TP = hybrid3d's mappings and cross entropy,
+  DP = DeepSpeed's gradient reduction and ZeRO's parameter all-gather, PP = pipeline send/recv.
+  Not predicted: `pp_gather` (PipelineEngine re-assembling TP-partitioned activations with
+  all-gathers), `control` (scalar norms, overflow checks, loss broadcasts); both are in `rows.csv`.
+- With dp = 1 DeepSpeed still issues its gradient all-reduce over a group of one rank: logged and
+  predicted, but no byte moves.
+- Pipeline send/recv carries a small metadata tensor per partitioned message (72 bytes here), which the
+  prediction leaves out: the residual pipeline error.
+- Wire traffic of an all-reduce of M bytes is 2(n-1)/n·M per rank: ZeRO-0's all-reduce of Ψ is the
+  paper's 2Ψ; ZeRO-1/2 add an all-gather of Ψ/Nd (DeepSpeed all-reduces gradients where the paper
+  reduce-scatters), ~3Ψ on the wire; ZeRO-2 reduces on every micro-batch (m·Ψ).
+- Step time: median over all timed steps of all repeats (repeats run round-robin over the
+  configurations); throughput bars show the range of the per-repeat medians. 4 ranks share 2 cores,
+  so times compare configurations with each other, not with GPUs."""
 
 
 def rel_error(predicted, measured):
@@ -20,7 +43,7 @@ def rel_error(predicted, measured):
     return (predicted - measured) / measured
 
 
-def build_rows(runs, results, sizes, bucket) -> list:
+def build_rows(runs, results, sizes) -> list:
     rows = []
     for run in runs:
         shape = LlamaShape(**sizes[run["size"]])
@@ -32,7 +55,7 @@ def build_rows(runs, results, sizes, bucket) -> list:
         for rank, per_rank in enumerate(results):
             r = per_rank[run["name"]]
             stage = r["stage"]
-            predicted = rank_model_states(shape, tp, pp, dp, zero, precision, stage, r["dp_rank"], gas, bucket)
+            predicted = rank_model_states(shape, tp, pp, dp, zero, precision, stage, r["dp_rank"], gas, run["bucket"])
             measured_total = sum(r["states"][k] for k in CATEGORIES)
             row = dict(config=run["name"], size=run["size"], layout=run["layout"], tp=tp, pp=pp, dp=dp, zero=zero,
                        precision=precision, gas=gas, rank=rank, stage=stage, tp_rank=r["tp_rank"],
@@ -48,7 +71,7 @@ def build_rows(runs, results, sizes, bucket) -> list:
                        rss_base_mb=r["rss_base"] / 2**20, rss_peak_mb=r["rss_peak"] / 2**20)
             theory = {
                 "tp": tp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
-                "dp": dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, grad_bytes=lp, param_bytes=lp),
+                "dp": dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, precision),
                 "pp": pp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
             }
             for cls in TRAFFIC_CLASSES:
@@ -154,9 +177,9 @@ def write_charts(out_dir, rows):
     plt.close(fig)
 
 
-def write_results(out_dir, runs, results, sizes, bucket, env, command):
+def write_results(out_dir, runs, results, sizes, env, command):
     os.makedirs(out_dir, exist_ok=True)
-    rows = build_rows(runs, results, sizes, bucket)
+    rows = build_rows(runs, results, sizes)
     write_csv(os.path.join(out_dir, "rows.csv"), rows)
     table = markdown_table(rows)
     with open(os.path.join(out_dir, "table.md"), "w") as f:
@@ -170,6 +193,7 @@ def write_results(out_dir, runs, results, sizes, bucket, env, command):
         f"- TP collective bytes: {worst['tp']:.2%}, DP: {worst['dp']:.2%}, pipeline send/recv: {worst['pp']:.2%} "
         f"(target {COMM_TARGET:.0%})", "",
         "## Results", "", table, "", "![memory](memory.png)", "", "![throughput](throughput.png)", "",
+        NOTES, "",
         "Sizes: " + "; ".join(f"{k}: {v}" for k, v in sizes.items()), "",
     ]
     with open(os.path.join(out_dir, "README.md"), "w") as f:

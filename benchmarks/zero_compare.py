@@ -35,17 +35,18 @@ SIZES = {  # small Llamas that train in well under a second per step on 2 CPU co
 }
 LAYOUTS = {"DP4": (1, 1, 4), "TP2xDP2": (2, 1, 2), "PP2xDP2": (1, 2, 2), "TP2xPP2": (2, 2, 1), "TP4": (4, 1, 1),
            "PP4": (1, 4, 1), "DP2": (1, 1, 2), "DP8": (1, 1, 8), "TP2xPP2xDP2": (2, 2, 2)}
-REDUCE_BUCKET = 500_000  # elements; part of the predicted model states
+# reduce_bucket_size (elements): ZeRO-1/2 keep one bucket alive, so it is part of the model states;
+# DeepSpeed's default (5e8, 1 GB in bf16) would dwarf these models.
+DEFAULT_BUCKET = 4_000_000
 
 
-def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch):
+def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket):
     config = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": zero, "reduce_bucket_size": REDUCE_BUCKET,
-                              "allgather_bucket_size": REDUCE_BUCKET},
+        "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "comms_logger": {"enabled": True, "debug": True, "prof_all": False, "verbose": False},
         "steps_per_print": 10**9,
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp},
@@ -71,7 +72,7 @@ def run_config(run: dict, steps: int) -> dict:
     shape = LlamaShape(**SIZES[run["size"]])
     tp, pp, dp = run["tp"], run["pp"], run["dp"]
     trainer = build_trainer(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
-                                      run["micro_batch"]), shape)
+                                      run["micro_batch"], run["bucket"]), shape)
     probe = PeakProbe(trainer.engine)
     # TP ranks and the first/last pipeline stages of one replica must read the same stream.
     generator = torch.Generator().manual_seed(trainer.groups.get_data_parallel_rank())
@@ -140,7 +141,7 @@ def plan_runs(args) -> list:
                     precision = "bf16"  # fp32 accumulation needs ZeRO >= 1 (BF16_Optimizer)
                 runs.append(dict(name=f"{size}-{layout}-Z{zero}", size=size, layout=layout, tp=tp, pp=pp, dp=dp,
                                  zero=zero, precision=precision, seq=args.seq_length, micro_batch=args.micro_batch,
-                                 global_batch=args.global_batch))
+                                 global_batch=args.global_batch, bucket=args.reduce_bucket_size))
     return runs
 
 
@@ -155,6 +156,8 @@ def parse_args(argv=None):
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, equal for all layouts")
+    parser.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET,
+                        help="zero_optimization.reduce_bucket_size in elements (part of the model states)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
@@ -182,7 +185,7 @@ def main(argv=None):
     with tempfile.TemporaryDirectory() as tmp:
         results = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
     out_dir = results_dir(args.out)
-    write_results(out_dir, runs, results, SIZES, REDUCE_BUCKET, environment(), command)
+    write_results(out_dir, runs, results, SIZES, environment(), command)
     print(f"results in {out_dir}")
 
 

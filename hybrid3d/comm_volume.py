@@ -12,12 +12,13 @@ Data parallelism (Rajbhandari et al. 2020, §7): a plain all-reduce of Ψ gradie
 (reduce-scatter + all-gather). DeepSpeed 0.19 logs: ZeRO-0 one all-reduce of Ψ; ZeRO-1 an all-reduce
 of Ψ then an all-gather of the Ψ/Nd updated partition; ZeRO-2 an all-reduce of Ψ per micro-batch
 (it reduces during every backward) plus the all-gather — it all-reduces where the paper reduce-scatters.
+bf16 ZeRO-0 with a pipeline (BF16_Optimizer, master sharded over DP) also all-gathers.
 
 Pipeline (Narayanan et al. 2021): each stage boundary carries b·s·h activations forward and their
 gradients backward per micro-batch, split over the t ranks of a TP group (DeepSpeed's partitioned sends).
 """
 
-from hybrid3d.memory import aligned_numel, stage_layer_count, stage_parameter_numels
+from hybrid3d.memory import TORCH, UNFUSED, aligned_numel, optimizer_wrapper, stage_layer_count, stage_parameter_numels
 from hybrid3d.model.config import LlamaShape
 
 
@@ -41,12 +42,16 @@ def tp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage
 
 
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,
-                      grad_bytes: int = 2, param_bytes: int = 2) -> int:
-    """Logged DP-collective bytes of one rank per step. DeepSpeed issues the gradient all-reduce also
-    over a group of one rank (dp = 1), where it moves nothing; the all-gather it skips."""
+                      precision: str = "bf16") -> int:
+    """Logged DP-collective bytes of one rank per step. Every wrapper that shards the fp32 master
+    (all but the torch optimizer and FP16_UnfusedOptimizer, see `memory.optimizer_wrapper`) all-gathers
+    the updated Ψ/Nd partition. DeepSpeed issues the gradient all-reduce also over a group of one
+    rank (dp = 1), where it moves nothing; the all-gather it skips."""
     psi = sum(stage_parameter_numels(shape, tp, pp, stage))
-    reduce = psi * grad_bytes * (gas if zero == 2 else 1)
-    gather = aligned_numel(psi, dp) // dp * param_bytes if zero in (1, 2) and dp > 1 else 0
+    lp = 4 if precision == "fp32" else 2
+    reduce = psi * lp * (gas if zero == 2 else 1)
+    sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
+    gather = aligned_numel(psi, dp) // dp * lp if sharded and dp > 1 else 0
     return reduce + gather
 
 

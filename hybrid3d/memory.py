@@ -16,13 +16,15 @@ read from its optimizer wrappers and confirmed by counting their tensors (`hybri
 | bf16, 0, p > 1              | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 2Ψ buffer + 12Ψ/Nd    | 4Ψ/Nd fp32 grads  |
 | bf16 + fp32 accum, 1        | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 4Ψ buffer + 12Ψ/Nd    | -                 |
 | bf16 or fp32 (x bytes), 1   | DeepSpeedZeroOptimizer  | xΨ + xΨ grads + xB bucket + 12Ψ/Nd       | 4Ψ/Nd (replaces grads) |
-| bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·G·(2 if m > 1) + xB + 12Ψ/Nd      | 4Ψ/Nd (replaces grads) |
+| bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·(G + G if m > 1) + xB + 12Ψ/Nd    | 4Ψ/Nd (replaces grads) |
 | bf16 + fp32 accum, 2        | DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd partition + 2B + 12Ψ/Nd       | 4Ψ/Nd (replaces grads) |
 
 BF16_Optimizer keeps the bf16 `.grad` of every parameter besides its flat accumulation buffer
 (it zeroes them rather than freeing them), hence 2Ψ more than the 2Ψ + 4Ψ + 12Ψ/Nd often quoted.
 G is the number of elements of the whole parameters that overlap this rank's partition (ZeRO-2
-sizes `grads_in_partition` by whole parameters), so it depends on the DP rank. Flat buffers are
+sizes `grads_in_partition` by whole parameters), so it depends on the DP rank; the buffer exists only
+once a bucket holding one of them has been reduced, and a parameter larger than B bypasses the bucket
+and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the bucketing. Flat buffers are
 padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`); padding is counted.
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
 count of one TP rank of one pipeline stage (`stage_parameter_numels`).
@@ -170,17 +172,6 @@ def aligned_numel(psi: int, nd: int) -> int:
     return math.ceil(psi / unit) * unit
 
 
-def _whole_params_in_partition(numels: list[int], partition: int, dp_rank: int) -> int:
-    """G: elements of the parameters overlapping [dp_rank·P, (dp_rank+1)·P) (`get_partition_info`)."""
-    start, end = partition * dp_rank, partition * (dp_rank + 1)
-    total, offset = 0, 0
-    for n in numels:
-        if start <= offset < end or offset < start < offset + n:
-            total += n
-        offset += n
-    return total
-
-
 def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: str, pp: int, dp_rank: int = 0,
                              gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET) -> RankModelStates:
     """Model-state bytes of one rank holding parameters of sizes `numels` (see the module table)."""
@@ -209,9 +200,33 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     elif precision == "bf16+fp32acc":
         grads = 4 * part + bucket
     else:
-        whole = _whole_params_in_partition(numels, part, dp_rank)
-        grads = lp * whole * (2 if gas > 1 else 1) + bucket
+        grads = bucket + _zero2_boundary_grads(numels, part, dp_rank, reduce_bucket_size, gas) * lp
     return RankModelStates(ModelStates(lp * psi_a, grads, 4 * part, adam), step, wrapper)
+
+
+def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucket: int, gas: int) -> int:
+    """Gradient elements ZeRO-2 holds outside its bucket after the last backward, before its epilogue.
+
+    Replays the bucketing of `reduce_independent_p_g_buckets_and_remove_grads` in backward order
+    (the reverse of the parameters'): a bucket is reduced when the next gradient would overflow it.
+    - `grads_in_partition` (G: whole parameters overlapping this rank's range) exists once a gradient
+      of this rank's partition has been reduced in this backward;
+    - a gradient larger than the bucket bypasses it and waits, as `.grad`, for the next reduction;
+    - with m > 1, `all_grad_tensors` (G) holds the previous micro-batches' sum."""
+    start, end = partition * dp_rank, partition * (dp_rank + 1)
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    mine = {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
+    whole = sum(numels[i] for i in mine)
+    reduced, pending, running = set(), [], 0
+    for i in reversed(range(len(numels))):
+        if running + numels[i] > bucket:
+            reduced.update(pending)
+            pending, running = [], 0
+        pending.append(i)
+        running += numels[i]
+    held = whole if reduced & mine else 0
+    held += sum(numels[i] for i in pending if numels[i] > bucket)
+    return held + (whole if gas > 1 else 0)
 
 
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,

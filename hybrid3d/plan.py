@@ -94,7 +94,7 @@ def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, c
     tp_seconds = max(tp_bytes_per_step(shape, micro_batch, seq, tp, pp, st, gas, recompute=checkpointing)
                      for st in range(pp)) * 2 * (tp - 1) / tp / (cluster.intra_node_gbps * GB)
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * dp <= cluster.gpus_per_node else cluster.inter_node_gbps
-    dp_seconds = max(dp_bytes_per_step(shape, tp, pp, dp, st, zero, gas) for st in range(pp)) \
+    dp_seconds = max(dp_bytes_per_step(shape, tp, pp, dp, st, zero, gas, precision) for st in range(pp)) \
         * 2 * (dp - 1) / dp / (dp_bandwidth * GB)
     step = compute * (pp - 1 + gas) / gas + tp_seconds + dp_seconds
     memory = states + acts + cluster.reserve_gb * GB
