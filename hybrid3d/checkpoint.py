@@ -44,6 +44,7 @@ def universal_checkpoint_info(shape: LlamaShape, tp_size: int) -> dict:
 META_FILE = "hybrid3d.json"  # per tag: layout, step, model config; readable without unpickling
 HF_FILES_DIR = "hf"  # per save_dir: the HF config and tokenizer, for export back to HF
 TAG_PREFIX = "global_step"
+MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
 
 
 def tag_for_step(step: int) -> str:
@@ -113,6 +114,18 @@ def find_checkpoint(load: str, save_dir: Optional[str]) -> tuple[Path, str]:
     raise ConfigError(f"{key}: {folder} has neither a 'latest' file nor a {META_FILE} (not a hybrid3d checkpoint)")
 
 
+def check_manifest(tag_dir: Path, meta: dict) -> None:
+    """Missing or truncated files (per the manifest written at commit) -> ConfigError naming the file."""
+    for name, size in (meta.get(MANIFEST_KEY) or {}).items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise ConfigError(f"hybrid3d.checkpoint.load: {path} is missing (the checkpoint is incomplete)")
+        actual = path.stat().st_size
+        if actual != size:
+            raise ConfigError(f"hybrid3d.checkpoint.load: {path} has {actual} bytes, the manifest says {size} "
+                              "(truncated or overwritten)")
+
+
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading."""
     load_dir, tag = find_checkpoint(load, save_dir)
@@ -125,8 +138,13 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         first = differing[0]
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds another model "
                           f"({first}={saved_shape[first]}, this run has {shape_dict[first]})")
+    check_manifest(load_dir / tag, meta)
     saved = meta["layout"]
     module_only = bool(meta.get("module_only", False))
+    if module_only and (saved["tp"], saved["pp"]) != (tp, pp):
+        raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
+                          f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
+                          f"with --tp {tp} --pp {pp}")
     universal = not module_only and (saved["tp"], saved["pp"], saved["dp"]) != (tp, pp, dp)
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)
 

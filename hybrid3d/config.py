@@ -13,6 +13,10 @@ class ConfigError(ValueError):
     """A user error in the config: one line naming the key (the launcher exits with code 2)."""
 
 
+class ReportedError(ConfigError):
+    """A user error that rank 0 reports; the other ranks exit 2 without repeating the line."""
+
+
 SECTION = "hybrid3d"
 
 
@@ -44,6 +48,7 @@ class TrainSection:
     log_interval: int = 1
     output_dir: str = "outputs/run"
     peak_tflops: Optional[float] = None  # per device, for MFU; None = from the device table
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" the job, or "skip" the update
 
 
 @dataclass(frozen=True)
@@ -59,9 +64,15 @@ class HybridSection:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     seed: int = 1234
+    timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128
     # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
     partition_method: str = "type:DecoderBlock"
+    # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over
+    # data parallel every micro-batch, so that traffic is paid gradient_accumulation_steps times.
+    pipeline_zero2: bool = False
+    # Share of each stage's gradient elements accumulated locally and reduced once per step instead.
+    pipeline_zero2_deferred_fraction: float = 0.0
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -179,6 +190,8 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
     section = _parse_section(raw.get(SECTION, {}), HybridSection, SECTION)
     if section.data.eval_fraction >= 1:
         raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
+    if section.train.on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"{SECTION}.train.on_nonfinite must be 'skip' or 'stop', got {section.train.on_nonfinite!r}")
     model = section.model
     if model.hf_model and model.preset:
         raise ConfigError(f"{SECTION}.model.hf_model and {SECTION}.model.preset are exclusive: set one")
@@ -219,7 +232,7 @@ def complete_batch_sizes(ds: dict, dp: int) -> None:
     ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
 
 
-def check_zero_and_precision(ds: dict, pp: int) -> None:
+def check_zero_and_precision(ds: dict, pp: int, pipeline_zero2: bool = False) -> None:
     zero = ds.get("zero_optimization", {})
     if not isinstance(zero, dict):
         raise ConfigError("zero_optimization must be a JSON object")
@@ -229,10 +242,11 @@ def check_zero_and_precision(ds: dict, pp: int) -> None:
     if stage == 3:
         raise ConfigError("zero_optimization.stage=3 is not supported: use stage 1 (with pipeline parallelism) "
                           "or 2 (pipeline_parallel_size 1)")
-    if stage == 2 and pp > 1:
+    if stage == 2 and pp > 1 and not pipeline_zero2:
         raise ConfigError(
-            f"zero_optimization.stage=2 cannot run with {SECTION}.pipeline_parallel_size={pp}: DeepSpeed's "
-            "PipelineEngine supports ZeRO stage 0 or 1 only; use stage 1, or pipeline_parallel_size 1 for ZeRO-2")
+            f"zero_optimization.stage=2 cannot run with {SECTION}.pipeline_parallel_size={pp} unless "
+            f"{SECTION}.pipeline_zero2=true, which reduces gradients every micro-batch (gradient traffic x "
+            "gradient_accumulation_steps, on the pipeline's critical path); or use stage 1")
     bf16 = ds.get("bf16", {}).get("enabled", False)
     fp16 = ds.get("fp16", {}).get("enabled", False)
     accum = ds.get("data_types", {}).get("grad_accum_dtype")
@@ -241,6 +255,36 @@ def check_zero_and_precision(ds: dict, pp: int) -> None:
     if bf16 and accum in ("fp32", "float32") and stage == 0:
         raise ConfigError("data_types.grad_accum_dtype=fp32 with bf16 needs zero_optimization.stage >= 1 "
                           "(DeepSpeed's BF16_Optimizer shards fp32 masters over data parallel)")
+
+
+def check_nonfinite_policy(ds: dict, policy: str) -> None:
+    """'skip' relies on DeepSpeed's optimizer wrappers, which skip a step whose gradient norm is not
+    finite (BF16_Optimizer, DeepSpeedZeroOptimizer); plain fp32 without ZeRO has no wrapper."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    low_precision = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    if policy == "skip" and stage == 0 and not low_precision:
+        raise ConfigError(f"{SECTION}.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16 "
+                          "(DeepSpeed skips non-finite steps only in its optimizer wrappers); use 'stop'")
+
+
+def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
+    """The opt-in runs `hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`: ZeRO-2 in a pipeline, no offload."""
+    key, fraction = f"{SECTION}.pipeline_zero2", hybrid.pipeline_zero2_deferred_fraction
+    if fraction > 1:
+        raise ConfigError(f"{key}_deferred_fraction must be between 0 and 1, got {fraction}")
+    if not hybrid.pipeline_zero2:
+        if fraction > 0:
+            raise ConfigError(f"{key}_deferred_fraction needs {key}=true")
+        return
+    zero = ds.get("zero_optimization", {})
+    if zero.get("stage", 0) != 2:
+        raise ConfigError(f"{key} needs zero_optimization.stage=2, got {zero.get('stage', 0)}")
+    if hybrid.pipeline_parallel_size == 1:
+        raise ConfigError(f"{key} applies to {SECTION}.pipeline_parallel_size > 1 only "
+                          "(ZeRO-2 without a pipeline needs no opt-in)")
+    offload = zero.get("offload_optimizer") or {}
+    if zero.get("cpu_offload") or (isinstance(offload, dict) and offload.get("device", "none") != "none"):
+        raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 
 def check_activation_checkpointing(ds: dict, pp: int, num_layers: int | None, on_cpu: bool) -> None:
@@ -295,7 +339,9 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     ds = {k: v for k, v in raw.items() if k != SECTION}
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
     complete_batch_sizes(ds, world_size // (tp * pp))
-    check_zero_and_precision(ds, pp)
+    check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
+    check_pipeline_zero2(ds, hybrid)
+    check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
     check_activation_checkpointing(ds, pp, num_layers, on_cpu)
     return RunConfig(hybrid=hybrid, ds_config=ds)
 

@@ -7,6 +7,7 @@ import random
 import signal
 import time
 import warnings
+from datetime import timedelta
 from pathlib import Path
 
 import deepspeed
@@ -16,15 +17,21 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing.checkpointing import get_cuda_rng_tracker
 
-from hybrid3d.checkpoint import HF_FILES_DIR, convert_to_universal, prune_checkpoints, tag_for_step, write_meta
-from hybrid3d.config import ConfigError
+from hybrid3d.checkpoint import HF_FILES_DIR, convert_to_universal, tag_for_step
+from hybrid3d.config import ConfigError, ReportedError
 from hybrid3d.data import build_training_data, micro_batches
 from hybrid3d.engine import build_trainer
 from hybrid3d.flops import peak_tflops, training_flops_per_token
 from hybrid3d.metrics import MetricsLogger, info
+from hybrid3d.saving import CheckpointSaver, verify_archives
+from hybrid3d.watchdog import Watchdog
 
 # DeepSpeed's ZeRO-1 all-gather calls a deprecated torch alias once per step on every rank.
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+
+class NonFiniteError(RuntimeError):
+    """A NaN/inf loss or gradient norm under `train.on_nonfinite = stop`."""
 
 
 def rank0_first(fn, rank: int):
@@ -39,18 +46,23 @@ def rank0_first(fn, rank: int):
             error[0] = str(e)
     dist.broadcast_object_list(error, src=0)
     if error[0] is not None:
-        raise ConfigError(error[0])
+        raise ConfigError(error[0]) if rank == 0 else ReportedError(error[0])
     return result if rank == 0 else fn()
 
 
 def rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "accelerator": get_accelerator().get_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    """Every RNG this rank draws from, as tensors and plain data (loadable with weights_only=True)."""
+    kind, keys, position, has_gauss, gauss = np.random.get_state()
+    return {"python": random.getstate(), "numpy": (kind, torch.from_numpy(keys.astype(np.int64)), position,
+                                                   has_gauss, gauss),
+            "torch": torch.get_rng_state(), "accelerator": get_accelerator().get_rng_state(),
+            "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def restore_rng(state: dict) -> None:
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    kind, keys, position, has_gauss, gauss = state["numpy"]
+    np.random.set_state((kind, keys.numpy().astype(np.uint32), position, has_gauss, gauss))
     torch.set_rng_state(state["torch"])
     get_accelerator().set_rng_state(state["accelerator"])
     get_cuda_rng_tracker().set_states(state["tracker"])
@@ -122,8 +134,10 @@ def load_checkpoint(trainer, plan) -> dict:
 
 
 def run_job(job, eval_only: bool, rank: int) -> int:
-    deepspeed.init_distributed()
     hybrid, layout = job.hybrid, job.layout
+    # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
+    # timeout is a backstop behind it, so the clearer message wins.
+    deepspeed.init_distributed(timeout=timedelta(seconds=2 * hybrid.timeout_seconds))
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)
@@ -138,6 +152,8 @@ def run_job(job, eval_only: bool, rank: int) -> int:
         rank0_first(lambda: convert_to_universal(job.plan), rank)
         raw.setdefault("checkpoint", {})["load_universal"] = True
 
+    if job.plan is not None and not job.plan.module_only:
+        verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())
     trainer = build_trainer(raw, job.shape, hf_state_dict=job.hf_weights)
     config = trainer.config
     step, client = 0, {}
@@ -179,44 +195,54 @@ def run_job(job, eval_only: bool, rank: int) -> int:
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
     meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
             "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
+    saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)
+    stop = StopRequest()
+    watchdog = Watchdog(hybrid.timeout_seconds, rank)
+    last_saved = step if job.plan is not None and not job.plan.module_only else None
 
     def save(at_step: int) -> Path:
-        tag = tag_for_step(at_step)
-        if is_rank0:  # the metadata goes in first: `latest` is written by DeepSpeed last
-            (save_dir / tag).mkdir(parents=True, exist_ok=True)
-            write_meta(save_dir / tag, {**meta, "step": at_step, "samples_consumed": at_step * batch})
-        dist.barrier()
-        trainer.save(str(save_dir), tag=tag, client_state={"hybrid3d": {
-            "step": at_step, "samples_consumed": at_step * batch, "rng": rng_state()}})
-        if is_rank0:
-            prune_checkpoints(save_dir, hybrid.checkpoint.keep_last)
-        dist.barrier()
-        return save_dir / tag
+        nonlocal last_saved
+        watchdog.beat(f"the checkpoint save at step {at_step}")
+        path = saver.save(at_step, rng_state()) if last_saved != at_step else save_dir / tag_for_step(at_step)
+        last_saved = at_step
+        return path
 
-    stop = StopRequest()
-    last_saved = step if job.plan is not None and not job.plan.module_only else None
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {output_dir / 'metrics.jsonl'}", is_rank0)
+    skipped = 0
     while step < hybrid.train.steps:
+        watchdog.beat(f"step {step + 1}")
         started = time.perf_counter()
         loss = trainer.train_step(micro_batches(data.train, step, batch, dp_rank, layout.dp, config.micro_batch_size))
         get_accelerator().synchronize()
         step_time = time.perf_counter() - started
         step += 1
-        eval_loss = None
-        if hybrid.train.eval_interval and step % hybrid.train.eval_interval == 0:
-            eval_loss = evaluate(trainer, data, job, dp_rank)
         grad_norm = trainer.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
+        nonfinite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm))
+        if nonfinite:
+            what = f"non-finite loss {loss} / gradient norm {grad_norm} at step {step}"
+            if hybrid.train.on_nonfinite == "stop":
+                logger.record(step, loss, float(trainer.engine.get_lr()[0]), grad_norm, step_time)
+                raise NonFiniteError(f"{what}: stopping (train.on_nonfinite=stop); the last checkpoint is "
+                                     f"{save_dir / tag_for_step(last_saved) if last_saved else 'none'}")
+            skipped += 1
+            info(f"warning: {what}: the update was skipped ({skipped} so far; train.on_nonfinite=skip)", is_rank0)
+        eval_loss = None
+        if hybrid.train.eval_interval and step % hybrid.train.eval_interval == 0:
+            watchdog.beat(f"the evaluation at step {step}")
+            eval_loss = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
-        logger.record(step, loss, float(trainer.engine.get_lr()[0]), grad_norm, step_time, eval_loss, log=should_log)
+        logger.record(step, loss, float(trainer.engine.get_lr()[0]), grad_norm, step_time, eval_loss,
+                      log=should_log or nonfinite)
         if hybrid.checkpoint.save_interval and step % hybrid.checkpoint.save_interval == 0:
             save(step)
-            last_saved = step
         if stop.agreed():
             who = stop.who()
-            path = save(step) if last_saved != step else save_dir / tag_for_step(step)
+            path = save(step)
+            watchdog.stop()
             info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
             return 0
-    path = save(step) if last_saved != step else save_dir / tag_for_step(step)
+    path = save(step)
+    watchdog.stop()
     info(f"done: {step} steps; checkpoint {path}; metrics {output_dir / 'metrics.jsonl'}", is_rank0)
     return 0

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 
 from hybrid3d.checkpoint import ResumePlan, plan_resume
-from hybrid3d.config import ConfigError, apply_overrides, parse_config, parse_hybrid_section, parse_override_args, \
-    read_json
+from hybrid3d.config import (ConfigError, ReportedError, apply_overrides, parse_config, parse_hybrid_section,
+                             parse_override_args, read_json)
 from hybrid3d.layout import LayoutError, ParallelLayout
 from hybrid3d.model.config import LlamaShape, UnsupportedConfigError
 from hybrid3d.model.hf_files import HFWeights, HFWeightsError
@@ -112,13 +112,20 @@ def main(argv=None) -> int:
         if rank == 0:  # every rank found the same error; one line is enough
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
-    from hybrid3d.run import run_job  # heavy imports only once the job is known to be valid
+    from hybrid3d.run import NonFiniteError, run_job  # heavy imports only once the job is known to be valid
+    from hybrid3d.saving import NonFiniteWeightsError
 
     try:
         return run_job(job, eval_only=args.eval_only, rank=rank)
-    except USER_ERRORS as e:  # found after start-up (e.g. in the data): may be on some ranks only
+    except ReportedError:  # rank 0 prints this one
+        return 2
+    except USER_ERRORS as e:  # found after start-up (e.g. in a checkpoint): may be on some ranks only
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
+    except (NonFiniteError, NonFiniteWeightsError) as e:  # every rank sees the same values
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return 1
 
 
 if __name__ == "__main__":

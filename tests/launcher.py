@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+STEPS = 8  # steps of the shortened demo run
 TRAIN = REPO / "launch" / "train.py"
 
 
@@ -35,3 +36,28 @@ def launch_env() -> dict:
 
 def read_metrics(output_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def demo_config(tmp: Path, **hybrid_edits) -> Path:
+    """The shipped CPU demo, shortened: 8 steps of 64 tokens, checkpoints and evals every 4."""
+    config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
+    config["scheduler"]["params"]["total_num_steps"] = STEPS
+    config["scheduler"]["params"]["warmup_num_steps"] = 2
+    section = config["hybrid3d"]
+    section["data"]["seq_length"] = 64
+    section["train"].update(steps=STEPS, log_interval=1, eval_interval=4, eval_steps=2, output_dir=str(tmp / "run"))
+    section["checkpoint"] = {"save_interval": 4, "keep_last": 0}
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp / "monitor"), "job_name": "demo"}
+    for key, value in hybrid_edits.items():
+        section[key] = value
+    path = tmp / "config.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def layer_states(tag_dir: Path) -> dict:
+    """The module weights of a pipeline checkpoint tag, by layer file."""
+    import torch
+
+    return {p.name: torch.load(p, map_location="cpu", weights_only=True)
+            for p in sorted(tag_dir.glob("layer_*-model_states.pt"))}

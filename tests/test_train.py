@@ -17,37 +17,9 @@ import psutil
 import pytest
 import torch
 
-from hybrid3d.train import main
-from tests.launcher import REPO, deepspeed_command, launch, read_metrics, launch_env
+from tests.launcher import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
 
-STEPS = 8
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
-
-
-def demo_config(tmp: Path, **hybrid_edits) -> Path:
-    """The shipped CPU demo, shortened: 8 steps of 64 tokens, checkpoints and evals every 4."""
-    config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
-    config["scheduler"]["params"]["total_num_steps"] = STEPS
-    config["scheduler"]["params"]["warmup_num_steps"] = 2
-    section = config["hybrid3d"]
-    section["data"]["seq_length"] = 64
-    section["train"].update(steps=STEPS, log_interval=1, eval_interval=4, eval_steps=2, output_dir=str(tmp / "run"))
-    section["checkpoint"] = {"save_interval": 4, "keep_last": 0}
-    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp / "monitor"), "job_name": "demo"}
-    for key, value in hybrid_edits.items():
-        section[key] = value
-    path = tmp / "config.json"
-    path.write_text(json.dumps(config))
-    return path
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    config = demo_config(tmp)
-    result = launch(4, config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return dict(tmp=tmp, config=config, out=tmp / "run", result=result, metrics=read_metrics(tmp / "run"))
 
 
 def test_demo_trains_and_loss_falls(uninterrupted):
@@ -68,11 +40,6 @@ def test_demo_trains_and_loss_falls(uninterrupted):
     # DeepSpeed's csv monitor received hybrid3d's values (and its own).
     monitored = {p.name for p in (uninterrupted["tmp"] / "monitor").rglob("*.csv")}
     assert "Train_hybrid3d_tokens_per_s.csv" in monitored and "Eval_hybrid3d_loss.csv" in monitored, monitored
-
-
-def _layer_states(tag_dir: Path) -> dict:
-    return {p.name: torch.load(p, map_location="cpu", weights_only=True)
-            for p in sorted(tag_dir.glob("layer_*-model_states.pt"))}
 
 
 @pytest.fixture(scope="module")
@@ -110,8 +77,8 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
     # fp32 on the CPU: the interrupted-and-resumed run is the uninterrupted run, bit for bit.
     assert [m["loss"] for m in metrics] == [m["loss"] for m in uninterrupted["metrics"]]
     assert [m.get("eval_loss") for m in metrics] == [m.get("eval_loss") for m in uninterrupted["metrics"]]
-    final = _layer_states(interrupted["out"] / "checkpoints" / "global_step8")
-    reference = _layer_states(uninterrupted["out"] / "checkpoints" / "global_step8")
+    final = layer_states(interrupted["out"] / "checkpoints" / "global_step8")
+    reference = layer_states(uninterrupted["out"] / "checkpoints" / "global_step8")
     assert final.keys() == reference.keys() and len(final) == 14
     for name in final:
         for key in final[name]:

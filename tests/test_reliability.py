@@ -1,0 +1,171 @@
+"""Crashes, hangs, corrupted checkpoints and numerical faults lose no completed step.
+
+Faults come from outside the product: kill -9 and SIGSTOP from the test, and
+tests/faults/sitecustomize.py loaded into the ranks through PYTHONPATH.
+"""
+
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+
+from hybrid3d.train import main
+from tests.launcher import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
+
+FAULTS = str(Path(__file__).parent / "faults")
+
+
+def fault_env(fault: dict) -> dict:
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
+    env["HYBRID3D_TEST_FAULT"] = json.dumps(fault)
+    return env
+
+
+def rank_process(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if any(arg == f"--local_rank={local_rank}" for arg in child.cmdline()):
+            return child
+    raise AssertionError(f"rank {local_rank} not found")
+
+
+def wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def test_kill_9_during_a_save_loses_nothing(uninterrupted, tmp_path):
+    """Rank 2 is killed -9 while writing the step-8 checkpoint (the step-4 one is complete): the
+    launcher ends every rank, `latest` still names step 4, and resuming reproduces the
+    uninterrupted run exactly (fp32)."""
+    config = demo_config(tmp_path)
+    marker = tmp_path / "in_save"
+    proc = subprocess.Popen(deepspeed_command(4, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env=fault_env({"kind": "pause_in_save", "rank": 2, "match": "global_step8",
+                                                         "marker": str(marker)}))
+    assert wait_for(marker.exists, proc), proc.communicate()[0][-3000:]
+    rank_process(proc, 2).send_signal(signal.SIGKILL)
+    killed_at = time.time()
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0
+    assert time.time() - killed_at < 60, "the launcher did not end the other ranks promptly"
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "global_step4"
+    assert not (checkpoints / "global_step8").exists() and (checkpoints / "global_step8.incomplete").exists()
+
+    resumed = launch(4, config, "--checkpoint.load", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "at step 4" in resumed.stdout
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    reference = [m["loss"] for m in uninterrupted["metrics"]]
+    assert losses[-4:] == reference[-4:]  # steps 5-8 after the resume
+    final, expected = layer_states(checkpoints / "global_step8"), layer_states(
+        uninterrupted["out"] / "checkpoints" / "global_step8")
+    assert final.keys() == expected.keys()
+    assert all(torch.equal(final[f][k], expected[f][k]) for f in final for k in final[f])
+    assert not (checkpoints / "global_step8.incomplete").exists()
+
+
+def copy_checkpoint(uninterrupted, tmp_path) -> Path:
+    target = tmp_path / "checkpoints"
+    shutil.copytree(uninterrupted["out"] / "checkpoints", target, ignore=shutil.ignore_patterns("*_universal"))
+    (target / "latest_universal").unlink(missing_ok=True)
+    return target
+
+
+@pytest.mark.parametrize("damage, needle", [
+    (lambda p: p.unlink(), "is missing (the checkpoint is incomplete)"),
+    (lambda p: p.write_bytes(p.read_bytes()[:100]), "bytes, the manifest says"),
+], ids=["missing", "truncated"])
+def test_damaged_checkpoint_is_refused_naming_the_file(uninterrupted, tmp_path, monkeypatch, capsys, damage, needle):
+    checkpoints = copy_checkpoint(uninterrupted, tmp_path)
+    victim = checkpoints / "global_step8" / "layer_03-model_01-model_states.pt"
+    damage(victim)
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    code = main(["--deepspeed_config", str(uninterrupted["config"]), "--checkpoint.load", str(checkpoints),
+                 "--train.output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and str(victim) in err and needle in err and "\n" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
+def test_corrupted_shard_is_named_before_loading(uninterrupted, tmp_path):
+    checkpoints = copy_checkpoint(uninterrupted, tmp_path)
+    victim = checkpoints / "global_step8" / "zero_pp_rank_0_mp_rank_02_optim_states.pt"
+    data = bytearray(victim.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + 64] = bytes(64)  # same size, damaged bytes
+    victim.write_bytes(bytes(data))
+    result = launch(4, uninterrupted["config"], "--checkpoint.load", str(checkpoints), "--eval-only")
+    assert result.returncode == 2
+    errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if "error: " in line]
+    assert len(errors) == 1 and str(victim) in errors[0] and "corrupted checkpoint file" in errors[0], errors
+
+
+def test_a_rank_that_stops_answering_ends_the_job(tmp_path):
+    config = demo_config(tmp_path, timeout_seconds=20)
+    proc = subprocess.Popen(deepspeed_command(4, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=tmp_path, env=launch_env())
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 2, proc)
+    stopped = rank_process(proc, 3)
+    stopped.suspend()  # SIGSTOP: alive, holding its sockets, answering nothing
+    suspended_at = time.time()
+    try:
+        output, _ = proc.communicate(timeout=180)
+    finally:
+        if stopped.is_running():
+            stopped.kill()
+    assert proc.returncode != 0
+    assert time.time() - suspended_at < 20 + 60
+    hang = re.search(r"error: rank (\d): no progress for \d+ s in (step \d+|the evaluation at step \d+)", output)
+    assert hang, output[-3000:]
+
+
+def nan_run(tmp_path, policy: str):
+    """NaN loss in step 3 (the 9th loss call on the last stage: GAS 4)."""
+    config = demo_config(tmp_path)
+    raw = json.loads(config.read_text())
+    raw["hybrid3d"]["train"].update(on_nonfinite=policy, steps=5, eval_interval=0)
+    raw["hybrid3d"]["checkpoint"] = {"save_interval": 1}
+    config.write_text(json.dumps(raw))
+    return subprocess.run(deepspeed_command(4, config), capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                          env=fault_env({"kind": "nan_loss", "call": 9}))
+
+
+def test_nan_with_skip_policy_skips_the_update(tmp_path):
+    result = nan_run(tmp_path, "skip")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "warning: non-finite loss nan / gradient norm" in result.stdout and "at step 3: the update was skipped" \
+        in result.stdout
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+    assert math.isnan(losses[2]) and all(math.isfinite(x) for i, x in enumerate(losses) if i != 2)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    before, after = layer_states(checkpoints / "global_step2"), layer_states(checkpoints / "global_step3")
+    assert all(torch.equal(before[f][k], after[f][k]) for f in before for k in before[f])  # no update applied
+    final = layer_states(checkpoints / "global_step5")
+    assert all(torch.isfinite(t).all() for layer in final.values() for t in layer.values())
+
+
+def test_nan_with_stop_policy_stops_without_saving_it(tmp_path):
+    result = nan_run(tmp_path, "stop")
+    assert result.returncode == 1
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1 and "non-finite loss nan" in errors[0] and "at step 3: stopping" in errors[0], errors
+    assert "global_step2" in errors[0]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "global_step2" and not (checkpoints / "global_step3").exists()
