@@ -103,6 +103,16 @@ def test_damaged_checkpoint_is_refused_naming_the_file(uninterrupted, tmp_path, 
     assert not (tmp_path / "out").exists()
 
 
+def test_another_models_checkpoint_is_refused(uninterrupted, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("RANK", "0")
+    code = main(["--deepspeed_config", str(uninterrupted["config"]), "--checkpoint.load",
+                 str(uninterrupted["out"] / "checkpoints"), "--model.config_overrides", '{"intermediate_size": 256}',
+                 "--train.output_dir", str(tmp_path / "out")])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and "holds another model (intermediate_size=352, this run has 256)" in err, err
+
+
 def test_corrupted_shard_is_named_before_loading(uninterrupted, tmp_path):
     checkpoints = copy_checkpoint(uninterrupted, tmp_path)
     victim = checkpoints / "global_step8" / "zero_pp_rank_0_mp_rank_02_optim_states.pt"

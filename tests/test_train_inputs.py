@@ -68,6 +68,12 @@ BAD_INPUTS = [
     ("eval-only-without-load", None, None, ["--eval-only"], 4, "--eval-only needs hybrid3d.checkpoint.load"),
     ("override-without-value", None, None, ["--train.steps"], 4, "override --train.steps has no value"),
     ("positional-argument", None, None, ["stray"], 4, "unexpected argument 'stray'"),
+    ("not-a-tokenizer", lambda c: h(c)["data"].update(tokenizer="."), None, [], 4,
+     "hybrid3d.data.tokenizer: cannot load a tokenizer from ."),
+    ("bad-nonfinite-policy", lambda c: h(c)["train"].update(on_nonfinite="ignore"), None, [], 4,
+     "hybrid3d.train.on_nonfinite must be 'skip' or 'stop'"),
+    ("skip-without-wrapper", lambda c: (h(c)["train"].update(on_nonfinite="skip"), c["zero_optimization"].update(stage=0)),
+     None, [], 4, "hybrid3d.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16"),
     ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
 ]
@@ -126,4 +132,18 @@ def test_launcher_passes_the_exit_code_through(tmp_path):
     assert result.returncode == 2
     output = result.stdout + result.stderr
     assert output.count("error: hybrid3d.train.stepz is not a known key") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
+    """Data is read after the process group starts (rank 0 first); its errors still end every
+    rank with a single line and exit code 2 before the output folder exists."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = write_config(tmp_path, lambda c: h(c)["data"].update(path=str(empty), eval_fraction=0.0,
+                                                                  ) or h(c)["train"].update(eval_interval=0))
+    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
     assert not (tmp_path / "out").exists()
