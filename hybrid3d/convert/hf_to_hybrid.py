@@ -119,11 +119,17 @@ class _Writer:
 
     def _shards(self, spec: ParamSpec, ranks) -> list[torch.Tensor]:
         full = self.source.read(spec.hf_name)
-        return [self._owned(shard_hf_tensor(spec, full, self.shape, rank, self.tp)) for rank in ranks]
+        return [self._owned(shard_hf_tensor(spec, full, self.shape, rank, self.tp), full) for rank in ranks]
 
-    def _owned(self, shard: torch.Tensor) -> torch.Tensor:
-        """A compact copy: `torch.save` of a view would write the whole underlying tensor."""
-        return torch.empty(shard.shape, dtype=self.dtype or shard.dtype).copy_(shard)
+    def _owned(self, shard: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+        """A compact tensor of its own: `torch.save` of a view would write the whole underlying
+        tensor. A shard that already is one (a padded vocabulary slice) is not copied again."""
+        dtype = self.dtype or shard.dtype
+        storage = shard.untyped_storage()
+        if (storage.data_ptr() != full.untyped_storage().data_ptr() and shard.is_contiguous()
+                and storage.nbytes() == shard.nbytes):
+            return shard.to(dtype)
+        return torch.empty(shard.shape, dtype=dtype).copy_(shard)
 
     def write_layer_files(self, index: int) -> None:
         """`layer_XX-model_YY` files of global layer `index` for every TP rank."""

@@ -66,8 +66,11 @@ def shard_hf_tensor(spec: ParamSpec, tensor: torch.Tensor, shape: LlamaShape, tp
     if spec.kind == REPLICATED:
         return tensor
     if spec.kind == VOCAB:
-        padding = padded_vocab_size(shape.vocab_size, tp_size, shape.vocab_pad_multiple) - tensor.shape[0]
-        tensor = F.pad(tensor, (0, 0, 0, padding))  # zero rows appended
+        # Rows [r*V_padded/t, (r+1)*V_padded/t) of the vocabulary padded with zero rows; only this
+        # rank's rows are padded, so a converter never copies the whole (largest) tensor.
+        rows = padded_vocab_size(shape.vocab_size, tp_size, shape.vocab_pad_multiple) // tp_size
+        own = tensor[tp_rank * rows:(tp_rank + 1) * rows]
+        return F.pad(own, (0, 0, 0, rows - own.shape[0]))
     dim = 1 if spec.kind == ROW else 0
     return tensor.chunk(tp_size, dim=dim)[tp_rank]
 
