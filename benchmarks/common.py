@@ -91,9 +91,27 @@ def _rank_entry(rank, fn, world_size, port, result_dir, args):
 def run_world(fn, world_size: int, result_dir: str, *args) -> list:
     """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return each rank's result."""
     os.makedirs(result_dir, exist_ok=True)
-    mp.start_processes(_rank_entry, args=(fn, world_size, _free_port(), result_dir, args), nprocs=world_size,
-                       start_method="spawn", join=True)
+    port = _free_port()
+    try:
+        mp.start_processes(_rank_entry, args=(fn, world_size, port, result_dir, args), nprocs=world_size,
+                           start_method="spawn", join=True)
+    finally:
+        _remove_shm_buffers(port)
     return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+def _remove_shm_buffers(port: int) -> None:
+    """DeepSpeed's CPU shared-memory all-reduce leaves one /dev/shm buffer (~69 MB) per rank and world,
+    named after the master address and port; remove this world's."""
+    suffix = f"_127.0.0.1_{port}_"
+    for directory in ("/dev/shm",):
+        if os.path.isdir(directory):
+            for name in os.listdir(directory):
+                if name.startswith("deepspeed_") and suffix in name:
+                    try:
+                        os.remove(os.path.join(directory, name))
+                    except OSError:
+                        pass
 
 
 def timed(fn, barrier) -> float:

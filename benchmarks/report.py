@@ -99,8 +99,8 @@ def _pct(x):
 
 def markdown_table(rows) -> str:
     """One line per configuration and pipeline stage: the rank with the largest state error."""
-    lines = ["| config | wrapper | stage | states MB meas / pred | err | TP KB meas / pred | err | "
-             "DP KB meas / pred | err | PP KB meas / pred | err | peak RSS MB | step s | tokens/s |",
+    lines = ["| config | wrapper | stage | states MiB meas / pred | err | TP KB meas / pred | err | "
+             "DP KB meas / pred | err | PP KB meas / pred | err | peak RSS MiB | step s | tokens/s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     seen = {}
     for row in rows:
