@@ -18,6 +18,7 @@ from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 from hybrid3d.checkpoint import plan_resume
+from hybrid3d.config import ConfigError
 from hybrid3d.convert.__main__ import main as convert_main
 from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
@@ -118,6 +119,11 @@ def test_converted_checkpoint_is_accepted_by_the_training_entry_point(sources, t
     structure = {"num_layers": 4, "vocab_size": 203, "hidden_size": 32}
     plan = plan_resume(str(tmp_path / "ckpt"), None, tp=2, pp=2, dp=2, shape_dict=structure)
     assert plan.module_only and not plan.universal and plan.tag == "global_step0"
+    # The manifest lets the entry point catch a truncated file before DeepSpeed opens it.
+    layer = tmp_path / "ckpt" / "global_step0" / "layer_01-model_00-model_states.pt"
+    layer.write_bytes(layer.read_bytes()[:-10])
+    with pytest.raises(ConfigError, match="layer_01-model_00-model_states.pt"):
+        plan_resume(str(tmp_path / "ckpt"), None, tp=2, pp=2, dp=2, shape_dict=structure)
 
 
 def test_pickle_weights_need_the_flag(sources, tmp_path):

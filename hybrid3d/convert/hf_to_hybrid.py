@@ -19,7 +19,7 @@ from typing import Optional
 
 import torch
 
-from hybrid3d.checkpoint import HF_FILES_DIR, write_meta
+from hybrid3d.checkpoint import HF_FILES_DIR, MANIFEST_KEY, write_meta
 from hybrid3d.convert import ds_files
 from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_source import HFSource
@@ -79,12 +79,13 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
                     tp=tp, pp=pp, client_state=state)
                 torch.save(record, ds_files.model_states_file(tag_dir, stage, rank, tp))
                 del module, record
+        manifest = {path.name: path.stat().st_size for path in sorted(tag_dir.glob("*.pt"))}
         write_meta(tag_dir, {"layout": {"tp": tp, "pp": pp, "dp": 1}, "shape": dataclasses.asdict(shape),
                              "hf_config": config_dict(source.config), "module_only": True, "step": 0,
-                             "samples_consumed": 0})
+                             "samples_consumed": 0, MANIFEST_KEY: manifest})
         (staging / ds_files.LATEST).write_text(ds_files.CONVERTED_TAG)
         copy_metadata_files(source.directory, staging / HF_FILES_DIR)
-        files = sum(1 for _ in tag_dir.glob("*.pt"))
+        files = len(manifest)
     return Hf2HybridResult(Path(out_dir), shape, layout, files, time.perf_counter() - start)
 
 
