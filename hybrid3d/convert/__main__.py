@@ -10,6 +10,13 @@ import sys
 DTYPES = ("bf16", "fp32")
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hybrid3d.convert",
                                      description="Convert Llama checkpoints between Hugging Face and hybrid3d form.")
@@ -18,10 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     to_hybrid = commands.add_parser("hf2hybrid", help="HF folder -> module-only DeepSpeed checkpoint at a TP/PP layout")
     to_hybrid.add_argument("--hf-model", required=True, help="folder with config.json and *.safetensors")
     to_hybrid.add_argument("--out", required=True, help="checkpoint folder to create (must not exist or be empty)")
-    to_hybrid.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
-    to_hybrid.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    to_hybrid.add_argument("--tp", type=positive_int, default=1, help="tensor-parallel size")
+    to_hybrid.add_argument("--pp", type=positive_int, default=1, help="pipeline-parallel size")
     to_hybrid.add_argument("--dtype", choices=DTYPES, help="weight dtype to store (default: as in the HF files)")
-    to_hybrid.add_argument("--vocab-pad-multiple", type=int, default=128,
+    to_hybrid.add_argument("--vocab-pad-multiple", type=positive_int, default=128,
                            help="pad the vocabulary to a multiple of tp * this "
                                 "(the trainer's hybrid3d.vocab_pad_multiple)")
     to_hybrid.add_argument("--allow-pickle", action="store_true",
