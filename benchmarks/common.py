@@ -167,7 +167,8 @@ def environment() -> dict:
 
 def environment_markdown(env: dict, command: str) -> str:
     return "\n".join([
-        f"- machine: {env['machine']}, {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GiB RAM, GPU: {env['gpu']}",
+        f"- machine: {env['machine']}, {env['cpu']}, {env['cores']} cores, {env['memory_gb']} GiB RAM, "
+        f"GPU: {env['gpu']}",
         f"- versions: Python {env['python']}, torch {env['torch']}, deepspeed {env['deepspeed']}, "
         f"transformers {env['transformers']}",
         f"- commit: {env['commit']}{' (with uncommitted changes)' if env['dirty'] else ''}",

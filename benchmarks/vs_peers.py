@@ -24,7 +24,8 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import environment, environment_markdown, median, peak_rss, reset_peak_rss, results_dir, run_world, timed  # noqa: E402
+from common import (  # noqa: E402
+    environment, environment_markdown, median, peak_rss, reset_peak_rss, results_dir, run_world, timed)
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -125,7 +126,8 @@ def world_main(rank, world_size, runs, args, hf_model_dir):
 def write_report(out_dir, runs, results, args, command):
     tokens = args.global_batch * args.seq_length
     lines = ["| system | layout | optimizer wrapper | tokens/s | vs hybrid3d (median of per-repeat ratios) | "
-             "model states MiB (max rank) | peak RSS MiB (max rank) | final loss |", "|---|---|---|---|---|---|---|---|"]
+             "model states MiB (max rank) | peak RSS MiB (max rank) | final loss |",
+             "|---|---|---|---|---|---|---|---|"]
     for system, tp in runs:
         key = f"{system}@TP{tp}"
         r0 = results[0][key]

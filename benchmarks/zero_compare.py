@@ -25,7 +25,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import classify_comms, environment, median, peak_rss, reset_peak_rss, results_dir, run_world, timed  # noqa: E402
+from common import (  # noqa: E402
+    classify_comms, environment, median, peak_rss, reset_peak_rss, results_dir, run_world, timed)
 
 SIZES = {  # small Llamas that train in well under a second per step on 2 CPU cores
     "S": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,

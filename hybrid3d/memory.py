@@ -9,23 +9,24 @@ Model states — ZeRO paper (Rajbhandari et al. 2020, §5, Fig. 1) with mixed pr
 `zero_paper_bytes` is that accounting. `rank_model_states` is what DeepSpeed 0.19 really allocates,
 read from its optimizer wrappers and confirmed by counting their tensors (`hybrid3d.memory_probe`):
 
-| precision, ZeRO             | wrapper                 | at the accumulation boundary             | extra at the step |
+| precision, ZeRO             | wrapper                 | at the accumulation boundary             | at the step       |
 |-----------------------------|-------------------------|------------------------------------------|-------------------|
-| fp32, 0                     | (torch optimizer)       | 4Ψ params + 4Ψ grads + 8Ψ Adam           | -                 |
-| bf16, 0, p = 1              | FP16_UnfusedOptimizer   | 2Ψ + 2Ψ grads + 4Ψ master + 8Ψ Adam      | 4Ψ fp32 grads     |
-| bf16, 0, p > 1              | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 2Ψ buffer + 12Ψ/Nd    | 4Ψ/Nd fp32 grads  |
-| bf16 + fp32 accum, 1        | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 4Ψ buffer + 12Ψ/Nd    | -                 |
-| bf16 or fp32 (x bytes), 1   | DeepSpeedZeroOptimizer  | xΨ + xΨ grads + xB bucket + 12Ψ/Nd       | 4Ψ/Nd (replaces grads) |
-| bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·(G + G if m > 1) + xB + 12Ψ/Nd    | 4Ψ/Nd (replaces grads) |
-| bf16 + fp32 accum, 2        | DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd partition + 2B + 12Ψ/Nd       | 4Ψ/Nd (replaces grads) |
+| fp32, 0                     | (torch optimizer)       | 4Ψ params + 4Ψ grads + 8Ψ Adam           | same              |
+| bf16, 0, p = 1              | FP16_UnfusedOptimizer   | 2Ψ + 2Ψ grads + 4Ψ master + 8Ψ Adam      | + 4Ψ fp32 grads   |
+| bf16, 0, p > 1              | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 2Ψ buffer + 12Ψ/Nd    | + 4Ψ/Nd fp32 grads|
+| bf16 + fp32 accum, 1        | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 4Ψ buffer + 12Ψ/Nd    | same              |
+| bf16 or fp32 (x bytes), 1   | DeepSpeedZeroOptimizer  | xΨ + xΨ grads + xB bucket + 12Ψ/Nd       | xΨ + 16Ψ/Nd       |
+| bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·(G + G if m > 1) + xB + 12Ψ/Nd    | xΨ + 16Ψ/Nd       |
+| bf16 + fp32 accum, 2        | DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd partition + 2B + 12Ψ/Nd       | 2Ψ + 16Ψ/Nd       |
 
 BF16_Optimizer keeps the bf16 `.grad` of every parameter besides its flat accumulation buffer
 (it zeroes them rather than freeing them), hence 2Ψ more than the 2Ψ + 4Ψ + 12Ψ/Nd often quoted.
 G is the number of elements of the whole parameters that overlap this rank's partition (ZeRO-2
-sizes `grads_in_partition` by whole parameters), so it depends on the DP rank; the buffer exists only
-once a bucket holding one of them has been reduced, and a parameter larger than B bypasses the bucket
-and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the bucketing. Flat buffers are
-padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`); padding is counted.
+sizes `grads_in_partition` by whole parameters), so it depends on the DP rank; the buffer exists
+only once a bucket holding one of them has been reduced, and a parameter larger than B bypasses
+the bucket and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the
+bucketing. Flat buffers are padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`);
+padding is counted.
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
 count of one TP rank of one pipeline stage (`stage_parameter_numels`).
 
