@@ -4,13 +4,13 @@ DeepSpeed's comms logger, and the machine/version block of a write-up."""
 import datetime
 import os
 import platform
-import socket
 import statistics
 import subprocess
 import time
 
 import torch
-import torch.multiprocessing as mp
+
+from hybrid3d.spawn import run_world  # noqa: F401  (the benchmarks' spawned worlds)
 
 # Caller function of each logged collective (comms logger with `debug: true`) -> traffic class.
 # tp: hybrid3d.tensor_parallel's mappings and cross entropy; dp: DeepSpeed's gradient reduction and
@@ -64,54 +64,6 @@ def _status_kb(key: str) -> int:
             if line.startswith(key + ":"):
                 return int(line.split()[1])
     raise RuntimeError(f"{key} not in /proc/self/status")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(rank, fn, world_size, port, result_dir, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    import deepspeed
-    import deepspeed.comm as dist
-
-    backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    result = fn(rank, world_size, *args)
-    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def run_world(fn, world_size: int, result_dir: str, *args) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return each rank's result."""
-    os.makedirs(result_dir, exist_ok=True)
-    port = _free_port()
-    try:
-        mp.start_processes(_rank_entry, args=(fn, world_size, port, result_dir, args), nprocs=world_size,
-                           start_method="spawn", join=True)
-    finally:
-        _remove_shm_buffers(port)
-    return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
-
-
-def _remove_shm_buffers(port: int) -> None:
-    """DeepSpeed's CPU shared-memory all-reduce leaves one /dev/shm buffer (~69 MB) per rank and world,
-    named after the master address and port; remove this world's."""
-    suffix = f"_127.0.0.1_{port}_"
-    for directory in ("/dev/shm",):
-        if os.path.isdir(directory):
-            for name in os.listdir(directory):
-                if name.startswith("deepspeed_") and suffix in name:
-                    try:
-                        os.remove(os.path.join(directory, name))
-                    except OSError:
-                        pass
 
 
 def timed(fn, barrier) -> float:

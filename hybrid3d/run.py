@@ -3,6 +3,7 @@
 import dataclasses
 import json
 import math
+import os
 import random
 import signal
 import time
@@ -24,6 +25,7 @@ from hybrid3d.engine import build_trainer
 from hybrid3d.flops import peak_tflops, training_flops_per_token
 from hybrid3d.metrics import MetricsLogger, info
 from hybrid3d.saving import CheckpointSaver, verify_archives
+from hybrid3d.shm_buffers import remove_shm_buffers
 from hybrid3d.watchdog import Watchdog
 
 # DeepSpeed's ZeRO-1 all-gather calls a deprecated torch alias once per step on every rank.
@@ -134,6 +136,15 @@ def load_checkpoint(trainer, plan) -> dict:
 
 
 def run_job(job, eval_only: bool, rank: int) -> int:
+    try:
+        return _run_job(job, eval_only, rank)
+    finally:
+        if get_accelerator().device_name() == "cpu":
+            remove_shm_buffers(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"),
+                               os.environ.get("LOCAL_RANK", rank))
+
+
+def _run_job(job, eval_only: bool, rank: int) -> int:
     hybrid, layout = job.hybrid, job.layout
     # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
     # timeout is a backstop behind it, so the clearer message wins.

@@ -16,10 +16,11 @@ from hybrid3d.config import (ConfigError, ReportedError, apply_overrides, parse_
                              parse_override_args, read_json)
 from hybrid3d.layout import LayoutError, ParallelLayout
 from hybrid3d.model.config import LlamaShape, UnsupportedConfigError
-from hybrid3d.model.hf_files import HFWeights, HFWeightsError
+from hybrid3d.convert.errors import ConversionError
+from hybrid3d.convert.hf_source import HFSource
 from hybrid3d.model_source import resolve_model
 
-USER_ERRORS = (ConfigError, LayoutError, UnsupportedConfigError, HFWeightsError)
+USER_ERRORS = (ConfigError, LayoutError, UnsupportedConfigError, ConversionError)
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "tie_word_embeddings")
 
@@ -49,7 +50,7 @@ class Job:
     save_dir: Path
     output_dir: Path
     plan: ResumePlan | None
-    hf_weights: HFWeights | None
+    hf_weights: HFSource | None
     override_log: list
 
 
@@ -87,7 +88,7 @@ def prepare(args, overrides, world_size: int) -> Job:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     hf_weights = None
     if hybrid.model.init_from_hf and (plan is None):
-        hf_weights = HFWeights(hybrid.model.hf_model)
+        hf_weights = HFSource.open(hybrid.model.hf_model)
         names = {s.hf_name for s in _param_specs(shape, layout.tp)}
         missing = sorted(names - set(hf_weights))
         if missing:

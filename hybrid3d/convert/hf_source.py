@@ -9,6 +9,7 @@ allows it, and even then with `weights_only=True`.
 """
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,8 +43,11 @@ class TensorInfo:
     dtype: torch.dtype
 
 
-class HFSource:
-    """Tensor names -> (file, shape, dtype) from headers; `read(name)` loads one tensor."""
+class HFSource(Mapping):
+    """Tensor names -> (file, shape, dtype) from headers; `read(name)` loads one tensor.
+
+    It is also a read-only mapping name -> tensor, so `load_hf_state_dict` can fill a model (or
+    one pipeline stage of it) straight from the files, reading only the tensors it needs."""
 
     def __init__(self, directory: Path, config, tensors: dict[str, TensorInfo], pickled: bool):
         self.directory = directory
@@ -67,6 +71,17 @@ class HFSource:
                 tensors[name] = info
         _check_index(directory, tensors, pickled)
         return cls(directory, config, tensors, pickled)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.tensors:
+            raise KeyError(name)
+        return self.read(name)
+
+    def __iter__(self):
+        return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
 
     def read(self, name: str) -> torch.Tensor:
         """The full tensor, memory-mapped from its file (pages freed with the tensor)."""
