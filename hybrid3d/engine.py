@@ -1,6 +1,7 @@
 """Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
 
-- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1.
+- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1; stage 2 with the
+  `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
 - pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
 
 DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
@@ -8,6 +9,7 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 """
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -17,6 +19,7 @@ import torch
 from deepspeed.accelerator import get_accelerator
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from hybrid3d import pipeline_zero2
 from hybrid3d.checkpoint import read_meta, universal_checkpoint_info
 from hybrid3d.config import RunConfig, parse_config
 from hybrid3d.layout import ParallelLayout, ProcessGroups
@@ -156,7 +159,11 @@ def build_trainer(raw_config: dict, shape: LlamaShape, hf_state_dict: Optional[d
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
-    engine, _, _, _ = deepspeed.initialize(
+    initialize = deepspeed.initialize
+    if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)
+        initialize = functools.partial(pipeline_zero2.initialize,
+                                       deferred_fraction=config.hybrid.pipeline_zero2_deferred_fraction)
+    engine, _, _, _ = initialize(
         model=module,
         model_parameters=[p for p in module.parameters() if p.requires_grad],
         config=config.ds_config,

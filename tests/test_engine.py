@@ -162,7 +162,8 @@ def test_activation_checkpointing_takes_effect(results, run):
 
 @pytest.mark.parametrize("edit, needle", [
     (lambda c: c["zero_optimization"].update(stage=2), "zero_optimization.stage=2 cannot run with "
-                                                       "hybrid3d.pipeline_parallel_size=2"),
+                                                       "hybrid3d.pipeline_parallel_size=2 unless "
+                                                       "hybrid3d.pipeline_zero2=true"),
     (lambda c: c.update(train_batch_size=10, gradient_accumulation_steps=4),
      "train_batch_size (10) != train_micro_batch_size_per_gpu (2) * gradient_accumulation_steps (4) * "
      "data-parallel size (1)"),

@@ -1,0 +1,208 @@
+"""ZeRO-2 with pipeline stages (hybrid3d.pipeline_zero2): HF, stock ZeRO-1, checkpoints, tied weights.
+
+Two spawned worlds: 4 ranks (PP2xDP2: fp32, tied, bf16, activation checkpointing, save/resume,
+the deferred-reduction knob) and 8 ranks (TP2xPP2xDP2, and the 4-rank checkpoint resumed there
+through DeepSpeed's universal checkpoint).
+"""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from hybrid3d.config import ConfigError, parse_config
+from tests.distributed import run_world
+from tests.engine_runs import STEPS, ds_config, hf_reference_run
+from tests.pipeline_zero2_worker import train_runs
+from tests.tiny_llama import make_hf_llama, max_rel_error
+
+TOL = 1e-5
+SAVE_AT = 3
+Z2 = {"pipeline_zero2": True}
+BF16_FP32_ACCUM = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+BF16_GRADS = {"bf16": {"enabled": True}}
+AC = {"pipeline": {"activation_checkpoint_interval": 1}}
+
+
+def run(name, case, tp, zero, **kw):
+    return dict(name=name, case=case, tp=tp, pp=2, zero=zero, **kw)
+
+
+WORLD4 = [
+    run("Z1-PP2-DP2", "gqa", 1, 1),
+    run("Z2-PP2-DP2", "gqa", 1, 2, hybrid=Z2, save_at=SAVE_AT),
+    run("Z2-PP2-DP2-ckpt", "gqa", 1, 2, hybrid=Z2, extra=AC),
+    run("tied-Z1-PP2-DP2", "tied", 1, 1),
+    run("tied-Z2-PP2-DP2", "tied", 1, 2, hybrid=Z2),
+    run("tied-Z2-PP2-DP2-deferred", "tied", 1, 2, hybrid={**Z2, "pipeline_zero2_deferred_fraction": 0.5}),
+    run("bf16-BF16_Optimizer", "gqa", 1, 1, extra=BF16_FP32_ACCUM),
+    run("bf16-Z1-bf16-grads", "gqa", 1, 1, extra=BF16_GRADS),
+    run("bf16-Z2", "gqa", 1, 2, hybrid=Z2, extra=BF16_FP32_ACCUM),
+]
+UNIVERSAL_TAG = "Z2-PP2-DP2_universal"
+WORLD8 = [
+    run("Z1-TP2-PP2-DP2", "gqa", 2, 1),
+    run("Z2-TP2-PP2-DP2", "gqa", 2, 2, hybrid=Z2),
+    run("universal-TP2-PP2-DP2", "gqa", 2, 2, hybrid=Z2, extra={"checkpoint": {"load_universal": True}},
+        start=SAVE_AT),
+]
+# (ZeRO-2 run, its stock ZeRO-1 twin) in fp32
+FP32_PAIRS = [("Z2-PP2-DP2", "Z1-PP2-DP2"), ("tied-Z2-PP2-DP2", "tied-Z1-PP2-DP2"),
+              ("tied-Z2-PP2-DP2-deferred", "tied-Z1-PP2-DP2"), ("Z2-TP2-PP2-DP2", "Z1-TP2-PP2-DP2")]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    root = tmp_path_factory.mktemp("pipeline_zero2")
+    model_dirs = {"gqa": str(root / "gqa"), "tied": str(root / "tied")}
+    make_hf_llama(model_dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
+    make_hf_llama(model_dirs["tied"], "mha_tied", num_hidden_layers=4)
+    ckpt = root / "checkpoints"
+    by_rank = {}
+    ranks = run_world(train_runs, 4, str(root / "world4"), WORLD4, model_dirs, str(ckpt))
+    by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in WORLD4})
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                    str(ckpt / "Z2-PP2-DP2"), "--output_folder", str(ckpt / UNIVERSAL_TAG),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True)
+    world8 = [dict(r, load=(str(ckpt), UNIVERSAL_TAG)) if "start" in r else r for r in WORLD8]
+    ranks = run_world(train_runs, 8, str(root / "world8"), world8, model_dirs, str(ckpt))
+    by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in WORLD8})
+    refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
+    return {"ref": refs, "runs": by_rank}
+
+
+def merged(reports, key="weights"):
+    """HF-named weights from the stage-local reports; ranks holding the same tensor must agree bitwise."""
+    out = {}
+    for report in reports:
+        for name, tensor in report[key].items():
+            if name in out:
+                assert torch.equal(out[name], tensor), f"{name} differs between ranks"
+            out[name] = tensor
+    return out
+
+
+def worst(weights, reference) -> float:
+    assert set(weights) == set(reference)
+    return max(max_rel_error(weights[n], reference[n]) for n in reference)
+
+
+@pytest.mark.parametrize("pair", FP32_PAIRS, ids=lambda p: p[0])
+def test_fp32_equals_stock_zero1_and_hf(results, pair):
+    zero2, zero1 = (results["runs"][name] for name in pair)
+    case = "tied" if pair[0].startswith("tied") else "gqa"
+    ref = results["ref"][case]
+    for report in zero2:
+        assert report["engine"] == "ZeRO2PipelineEngine" and report["partition_gradients"]
+    for report, twin in zip(zero2, zero1):
+        assert twin["engine"] == "PipelineEngine" and not twin["partition_gradients"]
+        assert len(report["losses"]) == STEPS
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(twin["losses"])) <= TOL
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= TOL
+    weights = merged(zero2)
+    assert worst(weights, merged(zero1)) <= TOL
+    assert worst(weights, ref["weights"]) <= TOL
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05  # five steps that changed nothing would also match
+
+
+@pytest.mark.parametrize("name", ["tied-Z2-PP2-DP2", "tied-Z2-PP2-DP2-deferred"])
+def test_tied_copies_stay_bit_identical(results, name):
+    reports = results["runs"][name]
+    copies = {}
+    for report in reports:
+        copies.setdefault(report["tp_rank"], []).append((report["stage"], report["tied_copy"]["embed"]))
+    for per_tp in copies.values():
+        assert {stage for stage, _ in per_tp} == {0, 1}
+        first = per_tp[0][1]
+        assert all(torch.equal(first, copy) for _, copy in per_tp)
+    # and they trained like the HF model (equal but untrained copies would also pass the check above)
+    trained = results["ref"]["tied"]["weights"]["model.embed_tokens.weight"]
+    assert max_rel_error(first[:trained.shape[0]], trained) <= TOL  # rows past the vocabulary are padding
+
+
+def global_rel_gap(a: dict, b: dict) -> float:
+    """‖a - b‖ / ‖b‖ over all weights together."""
+    num = sum(((a[n].double() - b[n].double()) ** 2).sum() for n in b) ** 0.5
+    return (num / sum((b[n].double() ** 2).sum() for n in b) ** 0.5).item()
+
+
+def test_bf16_gap_within_the_gap_between_stock_zero1_paths(results):
+    """bf16 + fp32 accumulation. ZeRO-2 rounds each micro-batch's reduced gradient to bf16 (the
+    communication dtype) before adding it to its fp32 partition; BF16_Optimizer accumulates in fp32
+    and rounds once per step; stock ZeRO-1 without fp32 accumulation accumulates in bf16. The
+    tolerance is the gap between those two stock paths, measured here: ZeRO-2 may differ from
+    BF16_Optimizer by at most twice that, and must be no farther from the fp32 run than they are
+    (by 25%: the distance to fp32 is bf16 weight rounding, common to all three)."""
+    runs = results["runs"]
+    names = ("bf16-BF16_Optimizer", "bf16-Z1-bf16-grads", "bf16-Z2", "Z1-PP2-DP2")
+    assert {r["optimizer"] for r in runs["bf16-BF16_Optimizer"]} == {"BF16_Optimizer"}
+    assert {r["optimizer"] for r in runs["bf16-Z1-bf16-grads"] + runs["bf16-Z2"]} == {"DeepSpeedZeroOptimizer"}
+    assert all(r["engine"] == "ZeRO2PipelineEngine" for r in runs["bf16-Z2"])
+    losses = {n: torch.tensor(runs[n][0]["losses"]) for n in names}
+    weights = {n: merged(runs[n]) for n in names}
+    for gap in (lambda a, b: max_rel_error(losses[a], losses[b]), lambda a, b: global_rel_gap(weights[a], weights[b])):
+        stock_gap = gap("bf16-Z1-bf16-grads", "bf16-BF16_Optimizer")
+        assert 0 < stock_gap
+        assert gap("bf16-Z2", "bf16-BF16_Optimizer") <= 2 * stock_gap
+        to_fp32 = max(gap("bf16-Z1-bf16-grads", "Z1-PP2-DP2"), gap("bf16-BF16_Optimizer", "Z1-PP2-DP2"))
+        assert gap("bf16-Z2", "Z1-PP2-DP2") <= 1.25 * to_fp32
+
+
+def test_resume_in_the_same_layout_is_exact(results):
+    for report in results["runs"]["Z2-PP2-DP2"]:
+        assert report["resumed_losses"] == report["losses"][SAVE_AT:]
+        for name, tensor in report["weights"].items():
+            assert torch.equal(report["resumed_weights"][name], tensor), name
+
+
+def test_universal_checkpoint_resumes_at_another_layout(results):
+    saved = merged(results["runs"]["Z2-PP2-DP2"], "saved_weights")
+    source = results["runs"]["Z2-PP2-DP2"][0]
+    reports = results["runs"]["universal-TP2-PP2-DP2"]
+    loaded = merged(reports, "loaded_weights")
+    assert set(loaded) == set(saved)
+    assert all(torch.equal(loaded[n], saved[n]) for n in saved)  # fp32 masters resharded exactly
+    for report in reports:
+        assert report["engine"] == "ZeRO2PipelineEngine"
+        expected = torch.tensor(source["losses"][SAVE_AT:])
+        assert max_rel_error(torch.tensor(report["losses"]), expected) <= TOL
+    assert worst(merged(reports), merged(results["runs"]["Z2-PP2-DP2"])) <= TOL
+
+
+def test_activation_checkpointing_keeps_the_losses(results):
+    plain, ckpt = results["runs"]["Z2-PP2-DP2"], results["runs"]["Z2-PP2-DP2-ckpt"]
+    gas = 2
+    for report, base in zip(ckpt, plain):
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(base["losses"])) <= 1e-6
+        assert report["forwards_per_step"] == [2 * report["blocks_on_rank"] * gas] * STEPS  # recomputed
+
+
+@pytest.mark.parametrize("edit, needle", [
+    (lambda c: c["zero_optimization"].update(stage=2),
+     "zero_optimization.stage=2 cannot run with hybrid3d.pipeline_parallel_size=2 unless "
+     "hybrid3d.pipeline_zero2=true"),
+    (lambda c: c["hybrid3d"].update(pipeline_zero2=True), "hybrid3d.pipeline_zero2 needs zero_optimization.stage=2"),
+    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True, pipeline_parallel_size=1, tensor_parallel_size=1),
+                c["zero_optimization"].update(stage=2)), "hybrid3d.pipeline_zero2 applies to"),
+    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True),
+                c["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})),
+     "zero_optimization.offload_optimizer is not supported with hybrid3d.pipeline_zero2"),
+    (lambda c: c["hybrid3d"].update(pipeline_zero2_deferred_fraction=0.5),
+     "hybrid3d.pipeline_zero2_deferred_fraction needs hybrid3d.pipeline_zero2=true"),
+    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True, pipeline_zero2_deferred_fraction=1.5),
+                c["zero_optimization"].update(stage=2)), "must be between 0 and 1, got 1.5"),
+])
+def test_bad_pipeline_zero2_configs_are_refused(edit, needle):
+    config = ds_config(tp=2, pp=2, zero=1)
+    edit(config)
+    with pytest.raises(ConfigError) as err:
+        parse_config(config, world_size=4, num_layers=4, on_cpu=True)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+def test_opt_in_is_accepted():
+    config = ds_config(tp=1, pp=2, zero=2)
+    config["hybrid3d"].update(pipeline_zero2=True, pipeline_zero2_deferred_fraction=0.25)
+    parsed = parse_config(config, world_size=4, num_layers=4, on_cpu=True)
+    assert parsed.hybrid.pipeline_zero2 and parsed.zero_stage == 2
