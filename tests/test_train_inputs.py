@@ -147,3 +147,22 @@ def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
     assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, world", [(n, w) for n, w in SHIPPED.items() if n.startswith("gpu_")])
+def test_gpu_recipe_fits_80gb_per_the_memory_model(name, world):
+    """The GPU recipes cannot run here; their memory is checked with the model that matches
+    DeepSpeed's tensors byte for byte on the CPU (tests/test_memory.py)."""
+    from hybrid3d.memory import activation_bytes, rank_model_states
+
+    raw = json.loads((REPO / "ds_configs" / name).read_text())
+    shape = LlamaShape.from_hf(preset_config(raw["hybrid3d"]["model"]["preset"]))
+    parsed = parse_config(raw, world, num_layers=shape.num_layers, on_cpu=False)
+    dp, gas = world // (parsed.tp * parsed.pp), parsed.gradient_accumulation_steps
+    assert raw["bf16"]["enabled"] and raw["data_types"]["grad_accum_dtype"] == "fp32" and parsed.zero_stage == 1
+    for stage in range(parsed.pp):
+        states = rank_model_states(shape, parsed.tp, parsed.pp, dp, parsed.zero_stage, "bf16+fp32acc", stage, 0,
+                                   gas).peak.total
+        activations = activation_bytes(shape, parsed.micro_batch_size, parsed.hybrid.data.seq_length, parsed.tp,
+                                       parsed.pp, stage, gas, checkpointing=True, partition_activations=True)
+        assert states + activations < 80 * 2**30 * 0.9, (stage, states / 2**30, activations / 2**30)
