@@ -139,9 +139,10 @@ class TiedPartitionReduction:
     Each stage reduces its copy's gradient over its own DP group like any other parameter, so
     stage s holds P_s = (1/d)·Σ_dp Σ_micro g_s, sliced over its DP ranks. The true gradient is
     P_first + P_last. The stages slice the weight differently, so each rank writes its owned slice
-    into a zero tensor of the full weight, one all-reduce runs over both stages' DP ranks, and every
-    rank reads its slice back. All ranks receive the same sum, so the copies stay bit-identical.
-    Traffic: one all-reduce of the tied weight per step; memory: that tensor, during the call only.
+    into a zero tensor spanning the weight, an all-reduce runs over both stages' DP ranks, and every
+    rank reads its slice back, in chunks of `reduce_bucket_size` elements. All ranks receive the same
+    sum, so the copies stay bit-identical. Traffic: the tied weight once per step in the accumulation
+    dtype; memory: one chunk, during the call only.
     """
 
     def __init__(self, module, optimizer):
@@ -153,29 +154,33 @@ class TiedPartitionReduction:
                 self.entries.append((module._recursive_getattr(module.tied_modules[key], attr), group))
         self.optimizer = optimizer
 
-    def all_reduce(self) -> None:
+    def sum_across_stages(self) -> None:
+        chunk = int(self.optimizer.reduce_bucket_size)
         for weight, group in self.entries:
-            full = torch.zeros(weight.numel(), dtype=self.optimizer.gradient_accumulation_dtype, device=weight.device)
             owned = owned_gradient_slice(self.optimizer, weight)
-            if owned is not None:
-                start, view = owned
-                full.narrow(0, start, view.numel()).copy_(view)
-            dist.all_reduce(full, group=group)
-            if owned is not None:
-                view.copy_(full.narrow(0, start, view.numel()))
+            start, view = owned if owned is not None else (0, weight.new_empty(0))
+            end = start + view.numel()
+            for lo in range(0, weight.numel(), chunk):
+                hi = min(lo + chunk, weight.numel())
+                buffer = torch.zeros(hi - lo, dtype=self.optimizer.gradient_accumulation_dtype, device=weight.device)
+                a, b = max(lo, start), min(hi, end)
+                if a < b:  # this rank owns [a, b) of the chunk
+                    buffer.narrow(0, a - lo, b - a).copy_(view.narrow(0, a - start, b - a))
+                dist.all_reduce(buffer, group=group)
+                if a < b:
+                    view.narrow(0, a - start, b - a).copy_(buffer.narrow(0, a - lo, b - a))
 
 
 def deferred_parameters(optimizer, fraction: float) -> list:
-    """The shortest prefix of the optimizer's parameters (bit16 group order) holding at least
-    `fraction` of their elements; [] for 0."""
+    """Parameters (bit16 group order, the same on every DP rank of a stage) taken while they fit in
+    `fraction` of the stage's gradient elements: [] for 0, all for 1; the share is at most `fraction`."""
     params = [p for group in optimizer.bit16_groups for p in group if p.requires_grad]
-    target = fraction * sum(p.numel() for p in params)
-    chosen, total = [], 0
+    budget = fraction * sum(p.numel() for p in params)
+    chosen = []
     for p in params:
-        if total >= target:
-            break
-        chosen.append(p)
-        total += p.numel()
+        if p.numel() <= budget:
+            chosen.append(p)
+            budget -= p.numel()
     return chosen
 
 
@@ -204,12 +209,11 @@ class DeferredGradients:
         return len(self.entries)
 
     def _stash(self, param) -> None:
-        grad = param.grad.to(self.optimizer.gradient_accumulation_dtype)
         accumulator = self.accumulators.get(id(param))
         if accumulator is None:
-            self.accumulators[id(param)] = grad
+            self.accumulators[id(param)] = param.grad.to(self.optimizer.gradient_accumulation_dtype)
         else:
-            accumulator.add_(grad)
+            accumulator.add_(param.grad)  # in place, upcasting without a temporary
         param.grad = None
 
     def release(self) -> None:
@@ -250,7 +254,7 @@ class ZeRO2PipelineEngine(PipelineEngine):
             self.deferred.release()
             optimizer.set_gradient_accumulation_boundary(False)
             optimizer.independent_gradient_partition_epilogue()
-        self.tied_reduction.all_reduce()
+        self.tied_reduction.sum_across_stages()
         optimizer.finalize_gradient_accumulation_boundary()
 
     _INSTRUCTION_MAP = {

@@ -3,7 +3,8 @@
 A run is a dict: name, case ('gqa' or 'tied'), tp, pp, zero, optional `extra` (DeepSpeed keys),
 `hybrid` (hybrid3d keys), `save_at` (steps before saving; the run then resumes from that checkpoint
 in a fresh trainer and trains to the end again), `load` ((folder, tag) of a universal checkpoint to
-start from, at step `start`).
+start from, at step `start`), `probe` (count gradient bytes during the second step,
+`hybrid3d.memory_probe.PeakProbe`).
 """
 
 import gc
@@ -41,10 +42,12 @@ def _weights(trainer) -> dict:
         trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()}
 
 
-def _train(trainer, forwards, steps) -> tuple[list, list]:
+def _train(trainer, forwards, steps, probe=None) -> tuple[list, list]:
     dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
     losses, forwards_per_step = [], []
     for step in steps:
+        if probe is not None:
+            probe.enabled = step == 1  # Adam's moments exist from the first step on
         before = forwards[0]
         losses.append(trainer.train_step(micro_batches(step, dp_rank, dp)))
         forwards_per_step.append(forwards[0] - before)
@@ -70,7 +73,14 @@ def run_one(run: dict, model_dirs: dict, ckpt_dir: str) -> dict:
         start = run["start"]
     save_at = run.get("save_at")
     if save_at is None:
-        report["losses"], report["forwards_per_step"] = _train(trainer, forwards, range(start, STEPS))
+        probe = None
+        if run.get("probe"):
+            from hybrid3d.memory_probe import PeakProbe
+
+            probe = PeakProbe(trainer.engine)
+        report["losses"], report["forwards_per_step"] = _train(trainer, forwards, range(start, STEPS), probe)
+        if probe is not None:
+            report["grads"] = {label: s.by_category["grads"] for label, s in probe.snapshots.items()}
     else:
         first, _ = _train(trainer, forwards, range(save_at))
         trainer.save(ckpt_dir, tag=run["name"])

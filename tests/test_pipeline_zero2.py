@@ -23,6 +23,7 @@ Z2 = {"pipeline_zero2": True}
 BF16_FP32_ACCUM = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
 BF16_GRADS = {"bf16": {"enabled": True}}
 AC = {"pipeline": {"activation_checkpoint_interval": 1}}
+SMALL_BUCKETS = {"stage": 2, "reduce_bucket_size": 3000}  # elements; the tied weight has 256 x 32
 
 
 def run(name, case, tp, zero, **kw):
@@ -34,11 +35,13 @@ WORLD4 = [
     run("Z2-PP2-DP2", "gqa", 1, 2, hybrid=Z2, save_at=SAVE_AT),
     run("Z2-PP2-DP2-ckpt", "gqa", 1, 2, hybrid=Z2, extra=AC),
     run("tied-Z1-PP2-DP2", "tied", 1, 1),
-    run("tied-Z2-PP2-DP2", "tied", 1, 2, hybrid=Z2),
+    # buckets smaller than the tied weight: it bypasses them, and the cross-stage sum runs in chunks
+    run("tied-Z2-PP2-DP2", "tied", 1, 2, hybrid=Z2, extra={"zero_optimization": SMALL_BUCKETS}),
     run("tied-Z2-PP2-DP2-deferred", "tied", 1, 2, hybrid={**Z2, "pipeline_zero2_deferred_fraction": 0.5}),
     run("bf16-BF16_Optimizer", "gqa", 1, 1, extra=BF16_FP32_ACCUM),
     run("bf16-Z1-bf16-grads", "gqa", 1, 1, extra=BF16_GRADS),
-    run("bf16-Z2", "gqa", 1, 2, hybrid=Z2, extra=BF16_FP32_ACCUM),
+    run("bf16-Z2", "gqa", 1, 2, hybrid=Z2, extra={**BF16_FP32_ACCUM, "zero_optimization": SMALL_BUCKETS},
+        probe=True),
 ]
 UNIVERSAL_TAG = "Z2-PP2-DP2_universal"
 WORLD8 = [
@@ -69,7 +72,7 @@ def results(tmp_path_factory):
     ranks = run_world(train_runs, 8, str(root / "world8"), world8, model_dirs, str(ckpt))
     by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in WORLD8})
     refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
-    return {"ref": refs, "runs": by_rank}
+    return {"ref": refs, "runs": by_rank, "model_dirs": model_dirs}
 
 
 def merged(reports, key="weights"):
@@ -147,6 +150,23 @@ def test_bf16_gap_within_the_gap_between_stock_zero1_paths(results):
         assert gap("bf16-Z2", "bf16-BF16_Optimizer") <= 2 * stock_gap
         to_fp32 = max(gap("bf16-Z1-bf16-grads", "Z1-PP2-DP2"), gap("bf16-BF16_Optimizer", "Z1-PP2-DP2"))
         assert gap("bf16-Z2", "Z1-PP2-DP2") <= 1.25 * to_fp32
+
+
+def test_gradient_memory_matches_the_memory_model(results):
+    """bf16 + fp32 accumulation with buckets smaller than the embedding and the head: the gradient
+    bytes counted from the optimizer's tensors at their largest (a bucket reduction) and at the step,
+    against `hybrid3d.memory` (4Ψ/d fp32 partition + bucket + gradients outside it)."""
+    from hybrid3d.memory import rank_model_states
+    from hybrid3d.model import LlamaShape
+    from transformers import LlamaConfig
+
+    shape = LlamaShape.from_hf(LlamaConfig.from_pretrained(results["model_dirs"]["gqa"]))
+    for report in results["runs"]["bf16-Z2"]:
+        model = rank_model_states(shape, 1, 2, 2, 2, "bf16+fp32acc", report["stage"], report["dp_rank"], gas=2,
+                                  reduce_bucket_size=SMALL_BUCKETS["reduce_bucket_size"], pipeline_zero2=True)
+        assert report["grads"]["boundary"] == pytest.approx(model.boundary.grads, rel=0.02)
+        assert report["grads"]["step"] == pytest.approx(model.step.grads, rel=0.02)
+        assert model.boundary.grads > model.step.grads  # the bucket and the oversized gradients count
 
 
 def test_resume_in_the_same_layout_is_exact(results):
