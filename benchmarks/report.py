@@ -55,7 +55,8 @@ def build_rows(runs, results, sizes) -> list:
         for rank, per_rank in enumerate(results):
             r = per_rank[run["name"]]
             stage = r["stage"]
-            predicted = rank_model_states(shape, tp, pp, dp, zero, precision, stage, r["dp_rank"], gas, run["bucket"])
+            predicted = rank_model_states(shape, tp, pp, dp, zero, precision, stage, r["dp_rank"], gas, run["bucket"],
+                                          pipeline_zero2=zero == 2 and pp > 1)
             measured_total = sum(r["states"][k] for k in CATEGORIES)
             row = dict(config=run["name"], size=run["size"], layout=run["layout"], tp=tp, pp=pp, dp=dp, zero=zero,
                        precision=precision, gas=gas, rank=rank, stage=stage, tp_rank=r["tp_rank"],

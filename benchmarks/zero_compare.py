@@ -50,7 +50,8 @@ def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket):
         "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
         "comms_logger": {"enabled": True, "debug": True, "prof_all": False, "verbose": False},
         "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                     "pipeline_zero2": zero == 2 and pp > 1},  # ZeRO-2 under a pipeline: hybrid3d.pipeline_zero2
     }
     if precision != "fp32":
         config["bf16"] = {"enabled": True}
@@ -135,8 +136,6 @@ def plan_runs(args) -> list:
                 raise SystemExit(f"error: --global-batch {args.global_batch} is not divisible by "
                                  f"dp x micro-batch = {dp} x {args.micro_batch}")
             for zero in args.zero:
-                if zero == 2 and pp > 1:
-                    continue  # DeepSpeed's PipelineEngine supports ZeRO 0/1 only
                 precision = args.precision
                 if precision == "bf16+fp32acc" and zero == 0:
                     precision = "bf16"  # fp32 accumulation needs ZeRO >= 1 (BF16_Optimizer)

@@ -18,6 +18,7 @@ read from its optimizer wrappers and confirmed by counting their tensors (`hybri
 | bf16 or fp32 (x bytes), 1   | DeepSpeedZeroOptimizer  | xΨ + xΨ grads + xB bucket + 12Ψ/Nd       | xΨ + 16Ψ/Nd       |
 | bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·(G + G if m > 1) + xB + 12Ψ/Nd    | xΨ + 16Ψ/Nd       |
 | bf16 + fp32 accum, 2        | DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd partition + 2B + 12Ψ/Nd       | 2Ψ + 16Ψ/Nd       |
+| same, p > 1 (pipeline_zero2)| DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd + 2B + 2T + 4Ψ_def + 12Ψ/Nd   | 2Ψ + 16Ψ/Nd       |
 
 BF16_Optimizer keeps the bf16 `.grad` of every parameter besides its flat accumulation buffer
 (it zeroes them rather than freeing them), hence 2Ψ more than the 2Ψ + 4Ψ + 12Ψ/Nd often quoted.
@@ -27,6 +28,10 @@ only once a bucket holding one of them has been reduced, and a parameter larger 
 the bucket and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the
 bucketing. Flat buffers are padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`);
 padding is counted.
+`hybrid3d.pipeline_zero2` (ZeRO-2 inside the 1F1B pipeline) is counted at its worst moment, a bucket
+reduction in the last backward or in the release of the Ψ_def deferred elements
+(`pipeline_zero2_deferred_fraction`, fp32 accumulators): T gradient elements are outside the bucket
+then (`_pipeline_zero2_grads` replays the bucketing).
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
 count of one TP rank of one pipeline stage (`stage_parameter_numels`).
 
@@ -174,8 +179,10 @@ def aligned_numel(psi: int, nd: int) -> int:
 
 
 def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: str, pp: int, dp_rank: int = 0,
-                             gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET) -> RankModelStates:
-    """Model-state bytes of one rank holding parameters of sizes `numels` (see the module table)."""
+                             gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+                             pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
+    """Model-state bytes of one rank holding parameters of sizes `numels` (see the module table);
+    `pipeline_zero2`: ZeRO-2 with pp > 1 through `hybrid3d.pipeline_zero2` (bf16 + fp32 accumulation)."""
     wrapper = optimizer_wrapper(zero, precision, pp)
     psi, k = sum(numels), len(numels)
     lp = 4 if precision == "fp32" else 2
@@ -198,6 +205,10 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     step = ModelStates(params=lp * psi_a, grads=4 * part, master=4 * part, optim_states=adam)
     if zero == 1:
         grads = lp * psi + bucket
+    elif precision == "bf16+fp32acc" and pipeline_zero2:
+        deferred = _pipeline_zero2_deferred(numels, deferred_fraction)
+        mine = _params_in_partition(numels, part, dp_rank)
+        grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
     elif precision == "bf16+fp32acc":
         grads = 4 * part + bucket
     else:
@@ -230,12 +241,81 @@ def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucke
     return held + (whole if gas > 1 else 0)
 
 
+def _pipeline_zero2_deferred(numels: list[int], fraction: float) -> set[int]:
+    """Indices `hybrid3d.pipeline_zero2.deferred_parameters` picks: in order, each that still fits."""
+    budget, chosen = fraction * sum(numels), set()
+    for i, n in enumerate(numels):
+        if n <= budget:
+            chosen.add(i)
+            budget -= n
+    return chosen
+
+
+def _params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:
+    """Indices of the parameters overlapping [dp_rank·P, (dp_rank+1)·P) (`is_param_in_current_partition`)."""
+    start, end = partition * dp_rank, partition * (dp_rank + 1)
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    return {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
+
+
+def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int], bucket: int, partition: int,
+                          gas: int) -> int:
+    """Peak gradient bytes (bf16 weights, fp32 accumulation) of a rank under `hybrid3d.pipeline_zero2`.
+
+    Replays, like `_zero2_boundary_grads`, what `reduce_independent_p_g_buckets_and_remove_grads`
+    holds at each bucket reduction of the last backward (reverse parameter order) and of the release
+    of the deferred gradients (forward order): the 2B bucket, gradients outside it (the one that
+    triggers the reduction, oversized ones waiting as `.grad` for the next reduction and, when they
+    overlap this rank's partition (`mine`), until the epilogue, `stage_1_and_2.py:2179-2182`), the
+    4-byte accumulators of the deferred gradients not yet released, and the 4·P fp32 partition once a
+    reduction has touched `mine`. A deferred gradient triggers reductions but enters the bucket only
+    when released."""
+    accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
+    has_partition = gas > 1 and bool(mine - deferred)
+    worst, running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, 0, False
+
+    def held(extra: int) -> int:
+        return 4 * partition * has_partition + 2 * bucket + 2 * (kept + waiting + extra) + accumulators
+
+    def offer(i: int, enters: bool) -> None:
+        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
+        if running + numels[i] > bucket:
+            worst = max(worst, held(numels[i]))
+            has_partition |= bucket_mine
+            running, waiting, kept, waiting_mine, bucket_mine = 0, 0, kept + waiting_mine, 0, False
+        if enters:
+            running += numels[i]
+            bucket_mine |= i in mine
+            if numels[i] > bucket:
+                waiting += numels[i]
+                waiting_mine += numels[i] if i in mine else 0
+
+    def epilogue() -> None:
+        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
+        worst = max(worst, held(0))
+        has_partition |= bucket_mine
+        running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, False
+
+    for i in reversed(range(len(numels))):
+        offer(i, enters=i not in deferred)
+        if i in deferred and gas == 1:
+            accumulators += 4 * numels[i]
+    epilogue()
+    for i in sorted(deferred):
+        accumulators -= 4 * numels[i]
+        offer(i, enters=True)
+    if deferred:
+        epilogue()
+    return max(worst, 4 * partition)
+
+
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
-                      dp_rank: int = 0, gas: int = 1,
-                      reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET) -> RankModelStates:
+                      dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+                      pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
     """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp."""
     numels = stage_parameter_numels(shape, tp, pp, stage)
-    return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size)
+    return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
+                                    pipeline_zero2, deferred_fraction)
 
 
 # ---------------------------------------------------------------- activations

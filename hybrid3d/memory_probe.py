@@ -90,8 +90,9 @@ def base_optimizer(optimizer):
     return getattr(optimizer, "optimizer", optimizer)
 
 
-def census(module: torch.nn.Module, optimizer) -> StateBytes:
-    """Model-state bytes of `module` trained by `optimizer` (an engine's `.optimizer`)."""
+def census(module: torch.nn.Module, optimizer, extra_grads=()) -> StateBytes:
+    """Model-state bytes of `module` trained by `optimizer` (an engine's `.optimizer`); `extra_grads`:
+    gradient tensors held outside the optimizer (`hybrid3d.pipeline_zero2`'s deferred accumulators)."""
     seen = {}
     result = StateBytes()
 
@@ -118,6 +119,7 @@ def census(module: torch.nn.Module, optimizer) -> StateBytes:
                                  if not (category == "master" and _is_grad_path(path))], name)
     claim("grads", [p.grad for p in params], "param.grad")
     claim("grads", [getattr(p, "grad_accum", None) for p in params], "param.grad_accum")
+    claim("grads", list(extra_grads), "extra_grads")
     for group in base.param_groups:  # the fp32 master partitions' gradients, or the plain params'
         claim("grads", [p.grad for p in group["params"]], "master.grad")
         claim("params" if optimizer is base else "master", group["params"], "optimizer.param_groups")
@@ -142,7 +144,8 @@ class PeakProbe:
     - `boundary`: entry of the engine's `allreduce_gradients` (PipelineEngine with BF16_Optimizer:
       `_bf16_reduce_grads`) at the gradient-accumulation boundary,
       i.e. after the last micro-batch's backward and before the data-parallel reduction of
-      ZeRO-0/1 (ZeRO-2 has reduced all but its last bucket);
+      ZeRO-0/1 (ZeRO-2 has reduced all but its last bucket); for `hybrid3d.pipeline_zero2`, the
+      largest of the snapshots at its bucket reductions and epilogues;
     - `step`: entry of the base optimizer's `step()`, when the wrapper has built the fp32 gradient
       of its partition.
 
@@ -153,6 +156,8 @@ class PeakProbe:
     LABELS = ("boundary", "step")
 
     def __init__(self, engine):
+        from hybrid3d.pipeline_zero2 import ZeRO2PipelineEngine
+
         self.engine = engine
         self.enabled = False
         self.snapshots: dict[str, StateBytes] = {}
@@ -162,11 +167,22 @@ class PeakProbe:
                 setattr(engine, name, self._wrap(getattr(engine, name), "boundary",
                                                  engine.is_gradient_accumulation_boundary))
         base.step = self._wrap(base.step, "step", lambda: True)
+        if isinstance(engine, ZeRO2PipelineEngine):
+            # It reduces during every backward: `boundary` is the largest snapshot taken at a bucket
+            # reduction or a ZeRO-2 epilogue (what `memory.model_states_from_numels` predicts for it).
+            for name in ("reduce_ipg_grads", "independent_gradient_partition_epilogue"):
+                setattr(engine.optimizer, name, self._wrap(getattr(engine.optimizer, name), "boundary",
+                                                           lambda: True, keep_larger=True))
 
-    def _wrap(self, method, label, when):
+    def _wrap(self, method, label, when, keep_larger=False):
         def wrapped(*args, **kwargs):
             if self.enabled and when():
-                self.snapshots[label] = census(self.engine.module, self.engine.optimizer)
+                deferred = getattr(self.engine, "deferred", None)
+                snapshot = census(self.engine.module, self.engine.optimizer,
+                                  deferred.accumulators.values() if deferred is not None else ())
+                previous = self.snapshots.get(label)
+                if not (keep_larger and previous is not None and previous.model_states >= snapshot.model_states):
+                    self.snapshots[label] = snapshot
             return method(*args, **kwargs)
 
         return wrapped

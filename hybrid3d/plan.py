@@ -12,6 +12,8 @@ Relative step time (lower is better), per GPU, for the same global batch:
 The absolute numbers are rough; the ranking is what the estimate is for.
 Precision: ZeRO-0 plans bf16 (bf16 gradient accumulation); ZeRO-1/2 plan bf16 with fp32 gradient
 accumulation (`data_types.grad_accum_dtype: fp32`), the project's default.
+ZeRO-2 with p > 1 is `hybrid3d.pipeline_zero2`: a 4Ψ/Nd fp32 gradient partition instead of ZeRO-1's
+full buffer, for m times the DP gradient bytes (`comm_volume.dp_bytes_per_step`), not overlapped.
 """
 
 import argparse
@@ -81,8 +83,8 @@ def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, c
     states = acts = 0.0
     for stage in range(pp):
         ranks = {0, dp - 1} if zero == 2 else {0}
-        stage_states = max(rank_model_states(shape, tp, pp, dp, zero, precision, stage, r, gas, bucket).peak.total
-                           for r in ranks)
+        stage_states = max(rank_model_states(shape, tp, pp, dp, zero, precision, stage, r, gas, bucket,
+                                             pipeline_zero2=zero == 2 and pp > 1).peak.total for r in ranks)
         stage_acts = activation_bytes(shape, micro_batch, seq, tp, pp, stage, gas, checkpointing=checkpointing)
         if stage_states + stage_acts > states + acts:
             states, acts = stage_states, stage_acts
@@ -115,7 +117,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int,
             if reason:
                 refused.append(f"{name}: {reason}")
                 continue
-            for zero in (0, 1, 2) if pp == 1 else (0, 1):
+            for zero in (0, 1, 2) if pp == 1 or dp > 1 else (0, 1):  # ZeRO-2 with pp > 1: pipeline_zero2
                 options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket)
                            for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16]
                 fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb]
