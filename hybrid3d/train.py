@@ -12,9 +12,9 @@ import sys
 from pathlib import Path
 
 from hybrid3d.checkpoint import ResumePlan, plan_resume
-from hybrid3d.config import (ConfigError, ReportedError, apply_overrides, parse_config, parse_hybrid_section,
-                             parse_override_args, read_json)
+from hybrid3d.config import ConfigError, ReportedError, parse_config, parse_hybrid_section, read_json
 from hybrid3d.layout import LayoutError, ParallelLayout
+from hybrid3d.overrides import apply_overrides, parse_override_args
 from hybrid3d.model.config import LlamaShape, UnsupportedConfigError
 from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_source import HFSource

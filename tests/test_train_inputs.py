@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from hybrid3d.config import ConfigError, apply_overrides, parse_config
+from hybrid3d.config import ConfigError, parse_config
+from hybrid3d.overrides import apply_overrides
 from hybrid3d.layout import ParallelLayout
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
