@@ -66,6 +66,32 @@ def _status_kb(key: str) -> int:
     raise RuntimeError(f"{key} not in /proc/self/status")
 
 
+def random_batches(vocab_size: int, micro_batch: int, seq: int, seed: int):
+    """Endless (ids, targets) micro-batches of uniform random tokens. Seed by DP rank: the TP ranks
+    and the first and last pipeline stages of one replica must read the same stream."""
+    generator = torch.Generator().manual_seed(seed)
+    while True:
+        tokens = torch.randint(0, vocab_size, (micro_batch, seq + 1), generator=generator)
+        yield tokens[:, :-1], tokens[:, 1:]
+
+
+def measure_second_step(trainer, data, probe) -> dict:
+    """Step 1 warms up (it creates Adam's moments); step 2 runs with the memory probe and the comms
+    logger on. Returns the comms logger's records of step 2; the logger is off afterwards, so timed
+    steps carry no per-collective synchronisation."""
+    from deepspeed.comm import comms_logger
+
+    trainer.train_step(data)
+    probe.enabled = True
+    comms_logger.comms_dict.clear()
+    comms_logger.prof_all = True
+    trainer.train_step(data)
+    comms_logger.prof_all = False
+    comms_logger.enabled = False
+    probe.enabled = False
+    return comms_logger.comms_dict
+
+
 def timed(fn, barrier) -> float:
     """Seconds `fn()` takes between two barriers (every rank calls it)."""
     barrier()

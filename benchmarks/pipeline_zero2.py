@@ -3,10 +3,10 @@ data-parallel collective bytes per step and step time; bf16 weights, fp32 gradie
 
 One spawned world per data-parallel degree (PP2 x DP2 on 4 ranks, PP2 x DP4 on 8) runs, side by side:
 - ZeRO-1 (DeepSpeed's BF16_Optimizer: a full-size fp32 gradient buffer, one reduction per step);
-- ZeRO-2+PP with each bucket collective DeepSpeed 0.19.8 offers (`stage_1_and_2.py:1684-1723`):
-  a plain all-reduce (`reduce_scatter: false`), the multi-rank bucket all-reduce (DeepSpeed's
-  default) and one `reduce` per owning rank (`use_multi_rank_bucket_allreduce: false`, hybrid3d's
-  default for this mode);
+- ZeRO-2+PP with each bucket collective DeepSpeed 0.19.8 offers (`average_tensor`,
+  `stage_1_and_2.py:1590-1723`): a plain all-reduce (`reduce_scatter: false`), the multi-rank
+  bucket all-reduce (DeepSpeed's default) and one `reduce` per owning rank
+  (`use_multi_rank_bucket_allreduce: false`, hybrid3d's default for this mode);
 - ZeRO-2+PP with `pipeline_zero2_deferred_fraction` f: the memory/traffic curve.
 
 Per configuration and rank, during the second step:
@@ -31,7 +31,9 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import caller_of, environment, environment_markdown, median, results_dir, run_world, timed  # noqa: E402
+from common import (  # noqa: E402
+    caller_of, environment, environment_markdown, measure_second_step, median, random_batches, results_dir, run_world,
+    timed)
 
 # The "S" Llama of benchmarks/zero_compare.py: about 0.9M parameters per stage at PP2.
 SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -93,8 +95,6 @@ def traffic(comms_dict: dict, dp: int) -> dict:
 
 def run_config(run: dict, dp: int, args) -> dict:
     import deepspeed.comm as dist
-    import torch
-    from deepspeed.comm import comms_logger
 
     from hybrid3d.engine import build_trainer
     from hybrid3d.memory_probe import PeakProbe, census
@@ -103,22 +103,8 @@ def run_config(run: dict, dp: int, args) -> dict:
     shape = LlamaShape(**SHAPE)
     trainer = build_trainer(ds_config(run, dp, args), shape)
     probe = PeakProbe(trainer.engine)
-    generator = torch.Generator().manual_seed(trainer.groups.get_data_parallel_rank())
-
-    def batches():
-        while True:
-            tokens = torch.randint(0, shape.vocab_size, (1, args.seq + 1), generator=generator)
-            yield tokens[:, :-1], tokens[:, 1:]
-
-    data = batches()
-    trainer.train_step(data)  # step 1 creates Adam's moments
-    probe.enabled = True
-    comms_logger.comms_dict.clear()
-    comms_logger.prof_all = True
-    trainer.train_step(data)
-    comms_logger.prof_all = False
-    comms_logger.enabled = False
-    probe.enabled = False
+    data = random_batches(shape.vocab_size, 1, args.seq, trainer.groups.get_data_parallel_rank())
+    comms = measure_second_step(trainer, data, probe)
     after = census(trainer.module, trainer.engine.optimizer).by_category["grads"]
     result = {"stage": trainer.groups.stage_id, "dp_rank": trainer.groups.get_data_parallel_rank(),
               "psi": sum(p.numel() for p in trainer.module.parameters()),
@@ -127,7 +113,7 @@ def run_config(run: dict, dp: int, args) -> dict:
                                                                   "entries", [])),
               "grads_peak": max(snapshot.by_category["grads"] for snapshot in probe.snapshots.values()),
               "grads_after_step": after,
-              "traffic": traffic(comms_logger.comms_dict, dp),
+              "traffic": traffic(comms, dp),
               "step_times": [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(args.steps)]}
     dist.barrier()
     del trainer, probe, data

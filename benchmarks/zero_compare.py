@@ -21,12 +21,12 @@ import os
 import sys
 import tempfile
 
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
-    classify_comms, environment, median, peak_rss, reset_peak_rss, results_dir, run_world, timed)
+    classify_comms, environment, measure_second_step, median, peak_rss, random_batches, reset_peak_rss, results_dir,
+    run_world, timed)
 
 SIZES = {  # small Llamas that train in well under a second per step on 2 CPU cores
     "S": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -63,7 +63,6 @@ def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket):
 def run_config(run: dict, steps: int) -> dict:
     """Build, warm up, measure one step, time `steps` steps; this rank's figures."""
     import deepspeed.comm as dist
-    from deepspeed.comm import comms_logger
 
     from hybrid3d.engine import build_trainer
     from hybrid3d.memory_probe import PeakProbe
@@ -76,25 +75,9 @@ def run_config(run: dict, steps: int) -> dict:
     trainer = build_trainer(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
                                       run["micro_batch"], run["bucket"]), shape)
     probe = PeakProbe(trainer.engine)
-    # TP ranks and the first/last pipeline stages of one replica must read the same stream.
-    generator = torch.Generator().manual_seed(trainer.groups.get_data_parallel_rank())
-    seq, mb = run["seq"], run["micro_batch"]
-
-    def batches():
-        while True:
-            tokens = torch.randint(0, shape.vocab_size, (mb, seq + 1), generator=generator)
-            yield tokens[:, :-1], tokens[:, 1:]
-
-    data = batches()
-    trainer.train_step(data)  # step 1 creates Adam's moments
-    probe.enabled = True
-    comms_logger.comms_dict.clear()
-    comms_logger.prof_all = True
-    trainer.train_step(data)
-    comms_logger.prof_all = False
-    comms_logger.enabled = False  # no per-op synchronisation in the timed steps
-    probe.enabled = False
-    traffic, callers = classify_comms(comms_logger.comms_dict)
+    data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())
+    comms = measure_second_step(trainer, data, probe)
+    traffic, callers = classify_comms(comms)
     times = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
     peak = probe.peak()
     result = {
