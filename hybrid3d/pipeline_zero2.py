@@ -40,9 +40,9 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-# Which collective reduces a bucket (`stage_1_and_2.py:1684-1723`): False sends each owner's slices
-# with one `dist.reduce` (about half the bytes a bucket all-reduce moves); benchmarks/pipeline_zero2.py
-# measures both.
+# Which collective reduces a bucket (`average_tensor`, `stage_1_and_2.py:1590-1723`): False sends each
+# owner's slices with one `dist.reduce`, (d-1)/d of the bucket per rank instead of a bucket all-reduce's
+# 2(d-1)/d; benchmarks/pipeline_zero2.py measures the choices.
 DEFAULT_ZERO_SETTINGS = {"use_multi_rank_bucket_allreduce": False}
 
 
@@ -88,7 +88,7 @@ def owned_gradient_slice(optimizer, param):
     """(offset in `param`, view) of the reduced, accumulated gradient slice this DP rank owns, or None.
 
     The slice lives in the fp32 partition buffer when bf16 weights accumulate in fp32
-    (`_get_compact_grad_partition_buffer`, `stage_1_and_2.py:1277-1308`), otherwise in the
+    (`_get_compact_grad_partition_buffer`, `stage_1_and_2.py:1268-1310`), otherwise in the
     per-parameter `all_grad_tensors` the epilogue accumulates (`1036-1045`), which
     `finalize_gradient_accumulation_boundary` flattens; offsets as in `initialize_gradient_partition`.
     """
