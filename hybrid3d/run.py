@@ -137,7 +137,12 @@ def load_checkpoint(trainer, plan) -> dict:
 
 def run_job(job, eval_only: bool, rank: int) -> int:
     try:
-        return _run_job(job, eval_only, rank)
+        code = _run_job(job, eval_only, rank)
+        # Tear the process groups down together: a rank exiting while its communicator threads
+        # still run can abort in C++ ("terminate called without an active exception").
+        dist.barrier()
+        dist.destroy_process_group()
+        return code
     finally:
         if get_accelerator().device_name() == "cpu":
             remove_shm_buffers(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"),
