@@ -28,27 +28,20 @@ def _load_tokenizer(directory: str, key: str):
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
-def _hf_config(directory: str):
-    from transformers import AutoConfig
-
-    if not Path(directory, "config.json").is_file():
-        raise ConfigError(f"hybrid3d.model.hf_model: {directory} has no config.json")
-    try:
-        return AutoConfig.from_pretrained(directory)
-    except Exception as e:
-        raise ConfigError(f"hybrid3d.model.hf_model: cannot read {directory}/config.json: "
-                          f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
-
-
 def resolve_model(model: ModelSection, data: DataSection) -> ModelSource:
     """The HF config (vocabulary sized to the tokenizer for presets) and the tokenizer to use."""
+    from hybrid3d.convert.errors import ConversionError
+    from hybrid3d.convert.hf_source import read_hf_config
     from hybrid3d.data.builtin import builtin_tokenizer_path
     from hybrid3d.model.presets import preset_config
 
     if model.hf_model:
         if not os.path.isdir(model.hf_model):
             raise ConfigError(f"hybrid3d.model.hf_model: {model.hf_model} is not a folder")
-        config = _hf_config(model.hf_model)
+        try:
+            config = read_hf_config(Path(model.hf_model))
+        except ConversionError as e:
+            raise ConfigError(f"hybrid3d.model.hf_model: {e}") from None
     elif model.preset:
         try:
             config = preset_config(model.preset)

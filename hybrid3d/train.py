@@ -16,6 +16,7 @@ from hybrid3d.config import ConfigError, ReportedError, parse_config, parse_hybr
 from hybrid3d.layout import LayoutError, ParallelLayout
 from hybrid3d.overrides import apply_overrides, parse_override_args
 from hybrid3d.model.config import LlamaShape, UnsupportedConfigError
+from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_source import HFSource
 from hybrid3d.model_source import resolve_model
@@ -89,17 +90,11 @@ def prepare(args, overrides, world_size: int) -> Job:
     hf_weights = None
     if hybrid.model.init_from_hf and (plan is None):
         hf_weights = HFSource.open(hybrid.model.hf_model)
-        names = {s.hf_name for s in _param_specs(shape, layout.tp)}
+        names = {s.hf_name for s in param_specs(shape, layout.tp)}
         missing = sorted(names - set(hf_weights))
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
     return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log)
-
-
-def _param_specs(shape, tp):
-    from hybrid3d.model.hf_weights import param_specs
-
-    return param_specs(shape, tp)
 
 
 def main(argv=None) -> int:

@@ -10,7 +10,7 @@ from hybrid3d.config import ConfigError, parse_config
 from tests.distributed import run_world
 from tests.engine_runs import OPTIM, STEPS, ds_config, hf_reference_run
 from tests.engine_worker import train_runs
-from tests.tiny_llama import make_hf_llama, max_rel_error
+from tests.tiny_llama import make_training_models, max_rel_error
 
 FIRST_LOSS_TOL = 1e-5
 RUN_TOL = 1e-4
@@ -74,9 +74,7 @@ ALL_RUNS = matrix_runs() + BF16_RUNS + ckpt_runs() + FUSED_ADAM
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("engine")
-    model_dirs = {"gqa": str(root / "gqa"), "tied": str(root / "tied")}
-    make_hf_llama(model_dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
-    make_hf_llama(model_dirs["tied"], "mha_tied", num_hidden_layers=4)
+    model_dirs = make_training_models(root)
     refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
     by_rank = {}
     for world in sorted({r["world"] for r in ALL_RUNS}):

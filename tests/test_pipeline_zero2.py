@@ -15,7 +15,7 @@ from hybrid3d.config import ConfigError, parse_config
 from tests.distributed import run_world
 from tests.engine_runs import STEPS, ds_config, hf_reference_run
 from tests.pipeline_zero2_worker import train_runs
-from tests.tiny_llama import load_hf, make_hf_llama, max_rel_error
+from tests.tiny_llama import load_hf, make_training_models, max_rel_error
 
 TOL = 1e-5
 SAVE_AT = 3
@@ -60,9 +60,7 @@ FP32_PAIRS = [("Z2-PP2-DP2", "Z1-PP2-DP2"), ("tied-Z2-PP2-DP2", "tied-Z1-PP2-DP2
 @pytest.fixture(scope="module")
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline_zero2")
-    model_dirs = {"gqa": str(root / "gqa"), "tied": str(root / "tied")}
-    make_hf_llama(model_dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
-    make_hf_llama(model_dirs["tied"], "mha_tied", num_hidden_layers=4)
+    model_dirs = make_training_models(root)
     ckpt = root / "checkpoints"
     by_rank = {}
     ranks = run_world(train_runs, 4, str(root / "world4"), WORLD4, model_dirs, str(ckpt))

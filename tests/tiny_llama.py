@@ -1,5 +1,7 @@
 """Tiny random Hugging Face Llamas written with `save_pretrained`, and HF reference results."""
 
+from pathlib import Path
+
 import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -33,6 +35,14 @@ def make_hf_llama(directory, case: str, seed: int = 0, **overrides) -> LlamaConf
                 p.uniform_(0.5, 1.5)
     model.save_pretrained(directory)
     return config
+
+
+def make_training_models(root) -> dict:
+    """The two 4-layer models the training tests use: {"gqa": GQA + llama3 rope, "tied": tied MHA}."""
+    model_dirs = {"gqa": str(Path(root) / "gqa"), "tied": str(Path(root) / "tied")}
+    make_hf_llama(model_dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
+    make_hf_llama(model_dirs["tied"], "mha_tied", num_hidden_layers=4)
+    return model_dirs
 
 
 def load_hf(directory, dtype=torch.float32) -> LlamaForCausalLM:

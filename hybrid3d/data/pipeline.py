@@ -91,15 +91,16 @@ def _cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
-def _packed_stream(path: str, key: str, section: DataSection, tokenizer, tokenizer_id: str, eos_id: int,
-                   split: Optional[tuple]) -> np.ndarray:
+def _ordered_documents(path: str, key: str, section: DataSection):
+    """The documents of `path`, after the optional seeded shuffle."""
     documents = _load_documents(path, key)
     if len(documents) == 0:
         raise ConfigError(f"{key}: {path} holds no documents")
-    if section.shuffle:
-        documents = documents.shuffle(seed=section.seed)
-    if split is not None:
-        documents = documents.select(range(*split))
+    return documents.shuffle(seed=section.seed) if section.shuffle else documents
+
+
+def _packed_stream(documents, key: str, section: DataSection, tokenizer, tokenizer_id: str,
+                   eos_id: int) -> np.ndarray:
     cache = cache_dir() / "packed" / (_cache_key(documents._fingerprint, tokenizer_id, section.text_field, eos_id)
                                       + ".npy")
     if not cache.exists():
@@ -111,28 +112,36 @@ def _packed_stream(path: str, key: str, section: DataSection, tokenizer, tokeniz
     return np.load(cache, mmap_mode="r")
 
 
+def _samples(tokens: np.ndarray, key: str, what: str, seq_length: int) -> PackedSamples:
+    samples = PackedSamples(tokens, seq_length)
+    if len(samples) == 0:
+        raise ConfigError(f"{key}: the {what} data has {len(tokens)} tokens, fewer than "
+                          f"seq_length + 1 = {seq_length + 1}")
+    return samples
+
+
 def build_training_data(section: DataSection, tokenizer, tokenizer_id: str, eos_id: int) -> TrainingData:
     """Packed train (and eval) samples. `tokenizer` may be None when the data has `input_ids`."""
     path = section.path or str(builtin_corpus_path())
-    split_train = split_eval = None
-    if section.eval_fraction and not section.eval_path:
-        count = len(_load_documents(path, f"{KEY}.path"))
+    documents = _ordered_documents(path, f"{KEY}.path", section)
+
+    def pack(docs, key):
+        return _packed_stream(docs, key, section, tokenizer, tokenizer_id, eos_id)
+
+    evaluation = None
+    if section.eval_path:
+        eval_key = f"{KEY}.eval_path"
+        evaluation = pack(_ordered_documents(section.eval_path, eval_key, section), eval_key)
+    elif section.eval_fraction:
+        count = len(documents)
         held_out = max(1, int(round(count * section.eval_fraction)))
         if held_out >= count:
             raise ConfigError(f"{KEY}.eval_fraction: {section.eval_fraction} of {count} documents leaves none "
                               "for training")
-        split_train, split_eval = (0, count - held_out), (count - held_out, count)
-    train = PackedSamples(_packed_stream(path, f"{KEY}.path", section, tokenizer, tokenizer_id, eos_id, split_train),
-                          section.seq_length)
-    if len(train) == 0:
-        raise ConfigError(f"{KEY}.seq_length: the training data has {len(train.tokens)} tokens, fewer than "
-                          f"seq_length + 1 = {section.seq_length + 1}")
-    evaluation = None
-    if section.eval_path or split_eval:
-        eval_path, key = (section.eval_path, f"{KEY}.eval_path") if section.eval_path else (path, f"{KEY}.path")
-        evaluation = PackedSamples(_packed_stream(eval_path, key, section, tokenizer, tokenizer_id, eos_id,
-                                                  split_eval), section.seq_length)
-        if len(evaluation) == 0:
-            raise ConfigError(f"{key}: the evaluation data has {len(evaluation.tokens)} tokens, fewer than "
-                              f"seq_length + 1 = {section.seq_length + 1}")
+        eval_key = f"{KEY}.path"
+        evaluation = pack(documents.select(range(count - held_out, count)), eval_key)
+        documents = documents.select(range(count - held_out))
+    train = _samples(pack(documents, f"{KEY}.path"), f"{KEY}.seq_length", "training", section.seq_length)
+    if evaluation is not None:
+        evaluation = _samples(evaluation, eval_key, "evaluation", section.seq_length)
     return TrainingData(train=train, eval=evaluation, eos_id=eos_id)
