@@ -136,14 +136,22 @@ def load_checkpoint(trainer, plan) -> dict:
 
 
 def run_job(job, eval_only: bool, rank: int) -> int:
+    """Run the job; on every exit path tear the world down in one order: the step loop's helper
+    thread (joined inside `_run_job`), a barrier on success only (an error may be on some ranks
+    only, so waiting for the others could hang), the process groups, the shared-memory buffers.
+
+    A rank leaving with its process group alive aborts in C++ ("terminate called without an active
+    exception") when the interpreter destroys the communicator's threads at exit."""
+    succeeded = False
     try:
         code = _run_job(job, eval_only, rank)
-        # Tear the process groups down together: a rank exiting while its communicator threads
-        # still run can abort in C++ ("terminate called without an active exception").
-        dist.barrier()
-        dist.destroy_process_group()
+        succeeded = True
         return code
     finally:
+        if dist.is_initialized():
+            if succeeded:
+                dist.barrier()
+            dist.destroy_process_group()
         if get_accelerator().device_name() == "cpu":
             remove_shm_buffers(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"),
                                os.environ.get("LOCAL_RANK", rank))
@@ -213,7 +221,14 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
             "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
     saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)
     stop = StopRequest()
-    watchdog = Watchdog(hybrid.timeout_seconds, rank)
+    with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
+        return _step_loop(job, trainer, data, logger, saver, stop, watchdog, step, dp_rank, rank)
+
+
+def _step_loop(job, trainer, data, logger, saver, stop, watchdog, step, dp_rank, rank) -> int:
+    hybrid, layout, config, is_rank0 = job.hybrid, job.layout, trainer.config, rank == 0
+    output_dir, save_dir = job.output_dir, job.save_dir
+    batch = config.ds_config["train_batch_size"]
     last_saved = step if job.plan is not None and not job.plan.module_only else None
 
     def save(at_step: int) -> Path:
@@ -255,10 +270,8 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         if stop.agreed():
             who = stop.who()
             path = save(step)
-            watchdog.stop()
             info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
             return 0
     path = save(step)
-    watchdog.stop()
     info(f"done: {step} steps; checkpoint {path}; metrics {output_dir / 'metrics.jsonl'}", is_rank0)
     return 0

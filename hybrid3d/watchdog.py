@@ -31,7 +31,16 @@ class Watchdog:
         self._last = time.monotonic()
 
     def stop(self) -> None:
+        """Stop watching and join the thread (idempotent)."""
         self._stopped.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join()
+
+    def __enter__(self) -> "Watchdog":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(5.0, self.timeout_s / 10)):

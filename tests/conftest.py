@@ -1,14 +1,15 @@
-"""Fixtures shared by test modules: the uninterrupted demo run that resume tests compare with."""
+"""Test tiers by folder: tests/unit runs in this process (the fast tier, `pytest -m "not slow"`);
+tests/distributed spawns gloo worlds and tests/launcher runs the real `deepspeed` launcher (slow)."""
+
+from pathlib import Path
 
 import pytest
 
-from tests.launcher import demo_config, launch, read_metrics
+SLOW_FOLDERS = ("distributed", "launcher")
 
 
-@pytest.fixture(scope="session")
-def uninterrupted(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("uninterrupted")
-    config = demo_config(tmp)
-    result = launch(4, config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    return dict(tmp=tmp, config=config, out=tmp / "run", result=result, metrics=read_metrics(tmp / "run"))
+def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        if Path(item.fspath).relative_to(root).parts[0] in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)

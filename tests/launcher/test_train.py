@@ -17,7 +17,7 @@ import psutil
 import pytest
 import torch
 
-from tests.launcher import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
+from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
 

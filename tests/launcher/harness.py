@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 STEPS = 8  # steps of the shortened demo run
 TRAIN = REPO / "launch" / "train.py"
 

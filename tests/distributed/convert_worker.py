@@ -5,7 +5,7 @@ import gc
 
 import numpy as np
 
-from tests.engine_runs import STEPS, ds_config, micro_batches
+from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 
 EVAL_STEP = 100  # the global batch used for evaluation, never trained on
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from hybrid3d.train import main
-from tests.launcher import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
+from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
 
 FAULTS = str(Path(__file__).parent / "faults")
 

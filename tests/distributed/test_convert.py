@@ -23,12 +23,12 @@ from hybrid3d.convert.__main__ import main as convert_main
 from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
-from tests.convert_worker import EVAL_STEP, convert_world
+from tests.distributed.convert_worker import EVAL_STEP, convert_world
 from tests.distributed import run_world
-from tests.engine_runs import STEPS, global_batch, hf_reference_run
+from tests.distributed.engine_runs import STEPS, global_batch, hf_reference_run
 from tests.tiny_llama import load_hf, make_hf_llama, max_rel_error
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 FP32_TOL = 1e-5
 RUN_TOL = 1e-4  # five training steps, as in test_engine
 

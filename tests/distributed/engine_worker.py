@@ -4,7 +4,7 @@ import gc
 
 import torch
 
-from tests.engine_runs import STEPS, ds_config, micro_batches
+from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
 
 

@@ -1,6 +1,6 @@
 """Bad input to the training entry point: one line naming the key or file, exit code 2, nothing
-written. These run `hybrid3d.train.main` in-process (the checks precede any process group); one
-case goes through the real launcher to prove the exit code reaches the shell."""
+written. These run `hybrid3d.train.main` in-process (the checks precede any process group); the
+same through the real launcher: tests/launcher/test_train_errors.py."""
 
 import json
 from pathlib import Path
@@ -13,7 +13,7 @@ from hybrid3d.layout import ParallelLayout
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
 from hybrid3d.train import main
-from tests.launcher import REPO, launch
+from tests.launcher.harness import REPO
 
 DEMO = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
 
@@ -125,29 +125,6 @@ def test_shipped_config_is_valid(name, world):
     ds = parsed.ds_config
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp
     assert parsed.hybrid.data.seq_length <= shape.max_position_embeddings
-
-
-def test_launcher_passes_the_exit_code_through(tmp_path):
-    config = write_config(tmp_path, lambda c: h(c)["train"].update(stepz=3))
-    result = launch(2, config, timeout=300)
-    assert result.returncode == 2
-    output = result.stdout + result.stderr
-    assert output.count("error: hybrid3d.train.stepz is not a known key") == 1
-    assert not (tmp_path / "out").exists()
-
-
-def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
-    """Data is read after the process group starts (rank 0 first); its errors still end every
-    rank with a single line and exit code 2 before the output folder exists."""
-    empty = tmp_path / "empty.jsonl"
-    empty.write_text("")
-    config = write_config(tmp_path, lambda c: h(c)["data"].update(path=str(empty), eval_fraction=0.0,
-                                                                  ) or h(c)["train"].update(eval_interval=0))
-    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", timeout=300)
-    assert result.returncode == 2
-    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
-    assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
-    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("name, world", [(n, w) for n, w in SHIPPED.items() if n.startswith("gpu_")])

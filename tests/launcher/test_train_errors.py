@@ -1,0 +1,28 @@
+"""User errors through the real `deepspeed` launcher: the exit code reaches the shell, before and
+after the process group starts, with one line and nothing written."""
+
+from tests.launcher.harness import launch
+from tests.unit.test_train_inputs import h, write_config
+
+
+def test_launcher_passes_the_exit_code_through(tmp_path):
+    config = write_config(tmp_path, lambda c: h(c)["train"].update(stepz=3))
+    result = launch(2, config, timeout=300)
+    assert result.returncode == 2
+    output = result.stdout + result.stderr
+    assert output.count("error: hybrid3d.train.stepz is not a known key") == 1
+    assert not (tmp_path / "out").exists()
+
+
+def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
+    """Data is read after the process group starts (rank 0 first); its errors still end every
+    rank with a single line and exit code 2 before the output folder exists."""
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    config = write_config(tmp_path, lambda c: h(c)["data"].update(path=str(empty), eval_fraction=0.0,
+                                                                  ) or h(c)["train"].update(eval_interval=0))
+    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
+    assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
+    assert not (tmp_path / "out").exists()
