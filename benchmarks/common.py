@@ -10,7 +10,7 @@ import time
 
 import torch
 
-from hybrid3d.spawn import run_world  # noqa: F401  (the benchmarks' spawned worlds)
+from hybrid3d.parallel.spawn import run_world  # noqa: F401  (the benchmarks' spawned worlds)
 
 # Caller function of each logged collective (comms logger with `debug: true`) -> traffic class.
 # tp: hybrid3d.tensor_parallel's mappings and cross entropy; dp: DeepSpeed's gradient reduction and

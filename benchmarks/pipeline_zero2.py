@@ -32,8 +32,16 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
-    caller_of, environment, environment_markdown, measure_second_step, median, random_batches, results_dir, run_world,
-    timed)
+    caller_of,
+    environment,
+    environment_markdown,
+    measure_second_step,
+    median,
+    random_batches,
+    results_dir,
+    run_world,
+    timed,
+)
 
 # The "S" Llama of benchmarks/zero_compare.py: about 0.9M parameters per stage at PP2.
 SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -96,9 +104,9 @@ def traffic(comms_dict: dict, dp: int) -> dict:
 def run_config(run: dict, dp: int, args) -> dict:
     import deepspeed.comm as dist
 
-    from hybrid3d.engine import build_trainer
-    from hybrid3d.memory_probe import PeakProbe, census
+    from hybrid3d.ds_internals.memory_probe import PeakProbe, census
     from hybrid3d.model import LlamaShape
+    from hybrid3d.training.trainer import build_trainer
 
     shape = LlamaShape(**SHAPE)
     trainer = build_trainer(ds_config(run, dp, args), shape)
@@ -129,8 +137,8 @@ def world_main(rank, world_size, runs, args):
 def predicted(run: dict, dp: int, stage: int, args) -> tuple[float, float]:
     """(peak gradient bytes of the stage's worst DP rank by `hybrid3d.memory`, logged DP gradient-reduction
     bytes: 2Ψ once for ZeRO-1, 2·(m·Ψ_eager + Ψ_def) for ZeRO-2+PP)."""
-    from hybrid3d.memory import _pipeline_zero2_deferred, rank_model_states, stage_parameter_numels
     from hybrid3d.model import LlamaShape
+    from hybrid3d.planning.memory import _pipeline_zero2_deferred, rank_model_states, stage_parameter_numels
 
     shape = LlamaShape(**SHAPE)
     fraction = run.get("fraction", 0.0)

@@ -6,9 +6,9 @@ import os
 
 from common import TRAFFIC_CLASSES, environment_markdown, median
 
-from hybrid3d.comm_volume import dp_bytes_per_step, pp_bytes_per_step, tp_bytes_per_step
-from hybrid3d.memory import rank_model_states
 from hybrid3d.model import LlamaShape
+from hybrid3d.planning.memory import rank_model_states
+from hybrid3d.planning.traffic import dp_bytes_per_step, pp_bytes_per_step, tp_bytes_per_step
 
 CATEGORIES = ("params", "grads", "master", "optim_states")
 STATE_TARGET, COMM_TARGET = 0.02, 0.05

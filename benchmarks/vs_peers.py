@@ -25,7 +25,15 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import (  # noqa: E402
-    environment, environment_markdown, median, peak_rss, reset_peak_rss, results_dir, run_world, timed)
+    environment,
+    environment_markdown,
+    median,
+    peak_rss,
+    reset_peak_rss,
+    results_dir,
+    run_world,
+    timed,
+)
 
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
@@ -58,8 +66,8 @@ def build(system: str, tp: int, args, hf_model_dir: str):
     world = dist.get_world_size()
     hf = LlamaForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
     if system == "hybrid3d":
-        from hybrid3d.engine import build_trainer
         from hybrid3d.model import LlamaShape
+        from hybrid3d.training.trainer import build_trainer
 
         config = ds_config(args, world // tp, {"hybrid3d": {"tensor_parallel_size": tp}})
         trainer = build_trainer(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
@@ -80,7 +88,7 @@ def build(system: str, tp: int, args, hf_model_dir: str):
 def run_system(system: str, tp: int, args, hf_model_dir: str) -> dict:
     import deepspeed.comm as dist
 
-    from hybrid3d.memory_probe import PeakProbe
+    from hybrid3d.ds_internals.memory_probe import PeakProbe
 
     gc.collect()
     reset_peak_rss()

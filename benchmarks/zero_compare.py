@@ -21,12 +21,20 @@ import os
 import sys
 import tempfile
 
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
-    classify_comms, environment, measure_second_step, median, peak_rss, random_batches, reset_peak_rss, results_dir,
-    run_world, timed)
+    classify_comms,
+    environment,
+    measure_second_step,
+    median,
+    peak_rss,
+    random_batches,
+    reset_peak_rss,
+    results_dir,
+    run_world,
+    timed,
+)
 
 SIZES = {  # small Llamas that train in well under a second per step on 2 CPU cores
     "S": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -64,9 +72,9 @@ def run_config(run: dict, steps: int) -> dict:
     """Build, warm up, measure one step, time `steps` steps; this rank's figures."""
     import deepspeed.comm as dist
 
-    from hybrid3d.engine import build_trainer
-    from hybrid3d.memory_probe import PeakProbe
+    from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
+    from hybrid3d.training.trainer import build_trainer
 
     gc.collect()
     rss_base = reset_peak_rss()

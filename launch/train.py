@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from hybrid3d.train import main  # noqa: E402
+from hybrid3d.training.entry import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

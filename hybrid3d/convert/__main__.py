@@ -52,9 +52,9 @@ def main(argv=None) -> int:
     # Imported after parsing so `--help` and argument errors answer without loading torch.
     import torch
 
-    from hybrid3d.convert.errors import USER_ERRORS
     from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
     from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
+    from hybrid3d.errors import UserError
 
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}.get(args.dtype)
     try:
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
                                   max_shard_size=args.max_shard_size, allow_pickle=args.allow_pickle)
             print(f"wrote {result.out_dir}: {len(result.files)} weight files ({result.dtype}) from a "
                   f"tp={result.layout.tp} pp={result.layout.pp} checkpoint in {result.seconds:.1f} s")
-    except USER_ERRORS as e:
+    except UserError as e:
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
     return 0

@@ -18,9 +18,9 @@ from typing import Optional
 import deepspeed
 from deepspeed.checkpoint import constants as ds
 
-from hybrid3d.convert.errors import ConversionError
-from hybrid3d.layout import ParallelLayout
+from hybrid3d.errors import ConversionError
 from hybrid3d.model.hf_weights import TIED_KEY
+from hybrid3d.parallel.layout import ParallelLayout
 
 LATEST = "latest"
 CONVERTED_TAG = "global_step0"  # what a trainer that has taken no step would name it

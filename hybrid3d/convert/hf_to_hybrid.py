@@ -19,10 +19,8 @@ from typing import Optional
 
 import torch
 
-from hybrid3d.checkpoint import HF_FILES_DIR, MANIFEST_KEY, write_meta
+from hybrid3d.checkpoint.files import HF_FILES_DIR, MANIFEST_KEY, write_meta
 from hybrid3d.convert import ds_files
-from hybrid3d.convert.errors import ConversionError
-from hybrid3d.convert.hf_source import HFSource
 from hybrid3d.convert.metadata import client_state, config_dict
 from hybrid3d.convert.model_layout import (
     buffer_names,
@@ -32,9 +30,12 @@ from hybrid3d.convert.model_layout import (
     stage_param_shapes,
 )
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
-from hybrid3d.layout import ParallelLayout
+from hybrid3d.errors import ConversionError
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import ParamSpec, param_specs, shard_hf_tensor
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.model.tp_plan import check_split
 
 # Extra tensors some HF checkpoints carry that the model recomputes (RoPE's inverse frequencies).
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -51,13 +52,13 @@ class Hf2HybridResult:
 
 def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype] = None, allow_pickle: bool = False,
                  vocab_pad_multiple: int = 128) -> Hf2HybridResult:
-    """Convert; `dtype` None keeps each tensor's stored dtype. Raises a USER_ERRORS type for bad
+    """Convert; `dtype` None keeps each tensor's stored dtype. Raises a UserError type for bad
     input before anything is written."""
     start = time.perf_counter()
     source = HFSource.open(hf_dir, allow_pickle)
     shape = LlamaShape.from_hf(source.config, vocab_pad_multiple=vocab_pad_multiple)
     layout = ParallelLayout(tp, pp, 1)
-    layout.check_model(shape)
+    check_split(shape, layout.tp, layout.pp)
     specs = param_specs(shape, tp)
     check_source_tensors(source, specs)
     models = [meta_model(shape, rank, tp) for rank in range(tp)]

@@ -14,9 +14,8 @@ import torch
 from deepspeed.checkpoint import constants as ds
 
 from hybrid3d.convert import ds_files
-from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.metadata import SECTION
-
+from hybrid3d.errors import ConversionError
 
 # Training checkpoints store numpy's RNG state (an ndarray) in their client state. Rebuilding an
 # array of plain numbers runs no code, so it is allowed without --allow-pickle.

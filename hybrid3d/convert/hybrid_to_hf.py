@@ -18,19 +18,20 @@ from typing import Optional
 import torch
 from transformers import GenerationConfig
 
-from hybrid3d.checkpoint import HF_FILES_DIR, read_meta
+from hybrid3d.checkpoint.files import HF_FILES_DIR, read_meta
 from hybrid3d.convert import ds_files
-from hybrid3d.convert.errors import ConversionError
-from hybrid3d.convert.hf_source import read_hf_config
 from hybrid3d.convert.hybrid_source import HybridCheckpoint
 from hybrid3d.convert.metadata import hf_config_from_section
 from hybrid3d.convert.model_layout import hf_parameter_shapes
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size
-from hybrid3d.layout import ParallelLayout
+from hybrid3d.errors import ConversionError
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_source import read_hf_config
 from hybrid3d.model.hf_weights import merge_tp_shards, param_specs
 from hybrid3d.model.layers import layer_classes
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.model.tp_plan import check_split
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -47,14 +48,14 @@ class Hybrid2HfResult:
 def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
                  hf_config_dir=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
                  allow_pickle: bool = False) -> Hybrid2HfResult:
-    """Export; `dtype` None keeps the stored dtype. Bad input raises a USER_ERRORS type before
+    """Export; `dtype` None keeps the stored dtype. Bad input raises a UserError type before
     anything is written (a damaged tensor found mid-way removes the partial output)."""
     start = time.perf_counter()
     checkpoint = HybridCheckpoint.open(checkpoint_dir, tag, allow_pickle)
     config, side_dir = resolve_hf_config(checkpoint, hf_config_dir)
     shape = LlamaShape.from_hf(config)
     tp = checkpoint.tp
-    ParallelLayout(tp, checkpoint.pp, 1).check_model(shape)
+    check_split(shape, tp, checkpoint.pp)
     specs = param_specs(shape, tp)
     expected = hf_parameter_shapes(config)
     mapped = {spec.hf_name for spec in specs}

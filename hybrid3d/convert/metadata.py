@@ -12,7 +12,7 @@ from typing import Optional
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 from transformers import AutoConfig
 
-from hybrid3d.checkpoint import universal_checkpoint_info
+from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.model.config import LlamaShape
 
 SECTION = "hybrid3d"

@@ -8,15 +8,14 @@ writes, each TP shard's shape, and the full tensor shapes an HF checkpoint must 
 from collections import OrderedDict
 
 import torch
-from deepspeed.runtime.utils import partition_balanced
 from transformers import LlamaForCausalLM
 
 from hybrid3d.convert.ds_files import TIED_PREFIX
-from hybrid3d.layout import TensorParallelGroup
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.layers import DecoderBlock, layer_classes
+
 from hybrid3d.model.llama import LlamaSequential
-from hybrid3d.model.pipe import DEFAULT_PARTITION_METHOD
+from hybrid3d.model.pipe import stage_bounds
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
 # No collective runs while modules are built on the meta device, so a TP rank's layers can be
 # described without a process group.
@@ -40,11 +39,8 @@ def pipeline_stages(shape: LlamaShape, pp: int) -> list[range]:
     """Global layer indices on each stage, as PipelineModule partitions with the default method
     (`type:DecoderBlock`: decoder blocks balanced, the embedding with the first stage, the norm and
     head with the last). A tied head is one more layer spec at the end of the list."""
-    if DEFAULT_PARTITION_METHOD != f"type:{DecoderBlock.__name__}":
-        raise NotImplementedError(f"stage bounds for partition method {DEFAULT_PARTITION_METHOD}")
-    weights = [1 if cls is DecoderBlock else 0 for cls in layer_classes(shape)]
-    bounds = partition_balanced(weights + ([0] if shape.tie_word_embeddings else []), pp)
-    return [range(int(bounds[s]), int(bounds[s + 1])) for s in range(pp)]
+    bounds = stage_bounds(shape.num_layers, pp)
+    return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 
 
 def stage_param_shapes(model: LlamaSequential, layers: range) -> "OrderedDict[str, torch.Size]":

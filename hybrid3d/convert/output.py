@@ -11,7 +11,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from hybrid3d.convert.errors import ConversionError
+from hybrid3d.errors import ConversionError
 
 # Weight and index files a model folder may hold; everything else (config.json,
 # generation_config.json, tokenizer files, README) is metadata worth keeping.

@@ -16,9 +16,10 @@ from typing import Optional
 
 import numpy as np
 
-from hybrid3d.config import ConfigError, DataSection
+from hybrid3d.config.sections import DataSection
 from hybrid3d.data.builtin import builtin_corpus_path, cache_dir
 from hybrid3d.data.packing import PackedSamples
+from hybrid3d.errors import ConfigError
 
 BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
             ".arrow": "arrow"}

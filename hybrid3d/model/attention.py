@@ -13,20 +13,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.tp_plan import COLUMN, block_kind, kv_heads_per_rank
 from hybrid3d.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
-from hybrid3d.tensor_parallel import (
+from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelGroup,
     copy_to_tp_region,
     tensor_parallel_rng,
 )
-from hybrid3d.tensor_parallel.layers import init_shard_, normal_init
-
-
-def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
-    """kv heads a TP rank computes: kv/t, or 1 when kv heads are replicated (t > kv)."""
-    return num_kv_heads // tp_size if tp_size <= num_kv_heads else 1
+from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
 
 
 class ReplicatedKVProjection(nn.Module):
@@ -63,7 +59,7 @@ class Attention(nn.Module):
         kw = dict(device=device, dtype=dtype)
         # q/k/v share one f operator (applied in forward): one input-grad all-reduce per block.
         self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, copy_input=False, init_method=init, **kw)
-        if tp.size <= shape.num_kv_heads:
+        if block_kind("self_attn.k_proj.weight", shape, tp.size) == COLUMN:
             self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
             self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
         else:

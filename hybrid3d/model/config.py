@@ -7,10 +7,7 @@ naming the config field, so a converted model never silently differs from its HF
 from dataclasses import dataclass, field
 from typing import Optional
 
-
-class UnsupportedConfigError(ValueError):
-    """The HF config has a field value this model cannot reproduce."""
-
+from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 

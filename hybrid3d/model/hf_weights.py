@@ -1,6 +1,6 @@
 """How each Hugging Face Llama tensor maps onto hybrid3d's layers and TP shards.
 
-One table (`param_specs`) drives loading an HF state dict into any TP size and merging TP shards
+One table (`param_specs`, built from the TP plan in tp_plan.py) drives loading an HF state dict into any TP size and merging TP shards
 back, so the model, the converter and the universal-checkpoint patterns agree on q/k/v layout.
 Shard kinds:
 - vocab:      padded to the model's padded vocabulary, then split along dim 0 (embedding, untied head);
@@ -17,11 +17,11 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
-from hybrid3d.layout import TensorParallelGroup
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.tensor_parallel import padded_vocab_size
+from hybrid3d.model.tp_plan import BLOCK_PLAN, EMBEDDING, FINAL_NORM, LM_HEAD, REPLICATED, ROW, VOCAB, block_kind
+from hybrid3d.parallel.tensor_parallel import padded_vocab_size
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
-VOCAB, COLUMN, ROW, REPLICATED = "vocab", "column", "row", "replicated"
 
 
 @dataclass(frozen=True)
@@ -39,25 +39,14 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
 
     A tied embedding is named `tied_modules.embed.weight` (PipelineModule's name for a
     TiedLayerSpec, used by LlamaSequential too); otherwise layer 0 holds it."""
-    kv_kind = COLUMN if tp_size <= shape.num_kv_heads else REPLICATED
     embed_name = f"tied_modules.{TIED_KEY}.weight" if shape.tie_word_embeddings else "0.weight"
-    specs = [ParamSpec("model.embed_tokens.weight", embed_name, VOCAB)]
+    specs = [ParamSpec("model.embed_tokens.weight", embed_name, EMBEDDING)]
     for i in range(shape.num_layers):
-        hf, local = f"model.layers.{i}", str(i + 1)
-        specs += [
-            ParamSpec(f"{hf}.self_attn.q_proj.weight", f"{local}.self_attn.q_proj.weight", COLUMN),
-            ParamSpec(f"{hf}.self_attn.k_proj.weight", f"{local}.self_attn.k_proj.weight", kv_kind),
-            ParamSpec(f"{hf}.self_attn.v_proj.weight", f"{local}.self_attn.v_proj.weight", kv_kind),
-            ParamSpec(f"{hf}.self_attn.o_proj.weight", f"{local}.self_attn.o_proj.weight", ROW),
-            ParamSpec(f"{hf}.mlp.gate_proj.weight", f"{local}.mlp.gate_proj.weight", COLUMN),
-            ParamSpec(f"{hf}.mlp.up_proj.weight", f"{local}.mlp.up_proj.weight", COLUMN),
-            ParamSpec(f"{hf}.mlp.down_proj.weight", f"{local}.mlp.down_proj.weight", ROW),
-            ParamSpec(f"{hf}.input_layernorm.weight", f"{local}.input_layernorm.weight", REPLICATED),
-            ParamSpec(f"{hf}.post_attention_layernorm.weight", f"{local}.post_attention_layernorm.weight", REPLICATED),
-        ]
-    specs.append(ParamSpec("model.norm.weight", f"{shape.num_layers + 1}.weight", REPLICATED))
+        specs += [ParamSpec(f"model.layers.{i}.{name}", f"{i + 1}.{name}", block_kind(name, shape, tp_size))
+                  for name in BLOCK_PLAN]
+    specs.append(ParamSpec("model.norm.weight", f"{shape.num_layers + 1}.weight", FINAL_NORM))
     if not shape.tie_word_embeddings:
-        specs.append(ParamSpec("lm_head.weight", f"{shape.num_layers + 2}.weight", VOCAB))
+        specs.append(ParamSpec("lm_head.weight", f"{shape.num_layers + 2}.weight", LM_HEAD))
     return specs
 
 

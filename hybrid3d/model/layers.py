@@ -13,14 +13,14 @@ from hybrid3d.model.attention import Attention
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.mlp import SwiGLU
 from hybrid3d.model.norm import RMSNorm
-from hybrid3d.tensor_parallel import (
+from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     TensorParallelGroup,
     VocabParallelEmbedding,
     padded_vocab_size,
     vocab_parallel_logits,
 )
-from hybrid3d.tensor_parallel.layers import normal_init
+from hybrid3d.parallel.tensor_parallel.layers import normal_init
 
 
 def padded_vocab_init(shape: LlamaShape):

@@ -8,11 +8,11 @@ from typing import Callable, Optional
 
 from torch import nn
 
-from hybrid3d.layout import TensorParallelGroup
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
-from hybrid3d.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, mean_token_loss
+from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, mean_token_loss
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
 
 class LanguageModelLoss:

@@ -4,8 +4,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.tensor_parallel import ColumnParallelLinear, RowParallelLinear, TensorParallelGroup, copy_to_tp_region
-from hybrid3d.tensor_parallel.layers import normal_init
+from hybrid3d.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    copy_to_tp_region,
+)
+from hybrid3d.parallel.tensor_parallel.layers import normal_init
 
 
 class SwiGLU(nn.Module):

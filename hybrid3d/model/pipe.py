@@ -6,18 +6,30 @@ the LM head are one `TiedLayerSpec`: the first and the last stage each hold a co
 broadcasts it at start-up and all-reduces its gradient between the two stages every step.
 """
 
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.utils import set_random_seed
+from functools import lru_cache
 
-from hybrid3d.layout import ParallelLayout, TensorParallelGroup
+from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.runtime.utils import partition_balanced, set_random_seed
+
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
 DEFAULT_PARTITION_METHOD = f"type:{DecoderBlock.__name__}"
+
+
+@lru_cache(maxsize=256)
+def stage_bounds(num_layers: int, pp: int) -> tuple[int, ...]:
+    """Layer-spec index bounds per stage under DEFAULT_PARTITION_METHOD, from DeepSpeed's own solver:
+    stage s holds specs [bounds[s], bounds[s + 1]). The spec list is [embedding, L blocks, final
+    norm, head] (a tied head is a second embedding spec), so it has L + 3 entries either way."""
+    weights = [0] + [1] * num_layers + [0, 0]
+    return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=pp))
 
 
 def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup) -> list:

@@ -6,8 +6,10 @@
 
 from transformers import LlamaConfig
 
+from hybrid3d.errors import UserError
 
-class UnknownPresetError(KeyError):
+
+class UnknownPresetError(UserError, KeyError):
     """A preset name that is not in `PRESETS`; the message lists the known names."""
 
     def __str__(self):

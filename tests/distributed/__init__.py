@@ -4,6 +4,6 @@ Spawning a world costs seconds on 2 cores (imports dominate), so each world runs
 and returns their raw results; assertions then happen in the pytest process.
 """
 
-from hybrid3d.spawn import free_port, run_world
+from hybrid3d.parallel.spawn import free_port, run_world
 
 __all__ = ["free_port", "run_world"]

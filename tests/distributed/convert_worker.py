@@ -14,8 +14,8 @@ def train_from_converted(job: dict) -> dict:
     import deepspeed.comm as dist
     from transformers import AutoConfig
 
-    from hybrid3d.engine import build_trainer
     from hybrid3d.model import LlamaShape
+    from hybrid3d.training.trainer import build_trainer
 
     shape = LlamaShape.from_hf(AutoConfig.from_pretrained(job["hf_dir"]))
     trainer = build_trainer(ds_config(job["tp"], job["pp"], job["zero"]), shape)  # random init, then load
@@ -38,7 +38,7 @@ def train_from_converted(job: dict) -> dict:
 
 
 def convert_world(rank, world_size, jobs: list, verify_runs: dict) -> dict:
-    from hybrid3d.verify import main as verify_main
+    from hybrid3d.convert.verify import main as verify_main
 
     results = {job["name"]: train_from_converted(job) for job in jobs}
     results["verify"] = {name: verify_main(argv) for name, argv in verify_runs.items()}

@@ -12,10 +12,10 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     import deepspeed.comm as dist
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
-    from hybrid3d.engine import build_trainer
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
+    from hybrid3d.training.trainer import build_trainer
 
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)

@@ -38,9 +38,9 @@ def ds_config(tp: int, pp: int, dp: int, zero: int, precision: str) -> dict:
 def measure(run: dict) -> dict:
     import deepspeed.comm as dist
 
-    from hybrid3d.engine import build_trainer
-    from hybrid3d.memory_probe import PeakProbe
+    from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
+    from hybrid3d.training.trainer import build_trainer
 
     shape = LlamaShape(**SHAPES[run["shape"]])
     world = dist.get_world_size()

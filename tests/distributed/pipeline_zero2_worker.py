@@ -22,9 +22,9 @@ def _config(run: dict) -> dict:
 
 
 def _build(run: dict, model_dir: str):
-    from hybrid3d.engine import build_trainer
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.layers import DecoderBlock
+    from hybrid3d.training.trainer import build_trainer
 
     hf = load_hf(model_dir)
     trainer = build_trainer(_config(run), LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
@@ -75,7 +75,7 @@ def run_one(run: dict, model_dirs: dict, ckpt_dir: str) -> dict:
     if save_at is None:
         probe = None
         if run.get("probe"):
-            from hybrid3d.memory_probe import PeakProbe
+            from hybrid3d.ds_internals.memory_probe import PeakProbe
 
             probe = PeakProbe(trainer.engine)
         report["losses"], report["forwards_per_step"] = _train(trainer, forwards, range(start, STEPS), probe)

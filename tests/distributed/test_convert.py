@@ -17,14 +17,13 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from hybrid3d.checkpoint import plan_resume
-from hybrid3d.config import ConfigError
+from hybrid3d.checkpoint.resume import plan_resume
 from hybrid3d.convert.__main__ import main as convert_main
-from hybrid3d.convert.errors import ConversionError
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
-from tests.distributed.convert_worker import EVAL_STEP, convert_world
+from hybrid3d.errors import ConfigError, ConversionError
 from tests.distributed import run_world
+from tests.distributed.convert_worker import EVAL_STEP, convert_world
 from tests.distributed.engine_runs import STEPS, global_batch, hf_reference_run
 from tests.tiny_llama import load_hf, make_hf_llama, max_rel_error
 

@@ -6,7 +6,8 @@ One spawned world per world size (1, 2, 4, 8 ranks) runs all of that size's layo
 import pytest
 import torch
 
-from hybrid3d.config import ConfigError, parse_config
+from hybrid3d.config.run_config import parse_config
+from hybrid3d.errors import ConfigError
 from tests.distributed import run_world
 from tests.distributed.engine_runs import OPTIM, STEPS, ds_config, hf_reference_run
 from tests.distributed.engine_worker import train_runs

@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 
-from hybrid3d.memory import rank_model_states, stage_parameter_numels
 from hybrid3d.model import LlamaShape
+from hybrid3d.planning.memory import rank_model_states, stage_parameter_numels
 from tests.distributed import run_world
 from tests.distributed.memory_worker import BUCKET, GAS, SHAPES, measure_runs
 

@@ -11,11 +11,12 @@ import sys
 import pytest
 import torch
 
-from hybrid3d.config import ConfigError, parse_config
+from hybrid3d.config.run_config import parse_config
+from hybrid3d.errors import ConfigError
 from tests.distributed import run_world
 from tests.distributed.engine_runs import STEPS, ds_config, hf_reference_run
-from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
 from tests.distributed.pipeline_zero2_worker import train_runs
+from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
 from tests.tiny_llama import load_hf, make_training_models, max_rel_error
 
 TOL = 1e-5
@@ -170,9 +171,10 @@ def test_gradient_memory_matches_the_memory_model(bf16_results):
     """bf16 + fp32 accumulation with buckets smaller than the embedding and the head: the gradient
     bytes counted from the optimizer's tensors at their largest (a bucket reduction) and at the step,
     against `hybrid3d.memory` (4Ψ/d fp32 partition + bucket + gradients outside it)."""
-    from hybrid3d.memory import rank_model_states
-    from hybrid3d.model import LlamaShape
     from transformers import LlamaConfig
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.planning.memory import rank_model_states
 
     shape = LlamaShape.from_hf(LlamaConfig.from_pretrained(results["model_dirs"]["gqa"]))
     for report in results["runs"]["bf16-Z2"]:

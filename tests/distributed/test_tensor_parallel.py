@@ -10,9 +10,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybrid3d.layout import ParallelLayout, TensorParallelGroup
 from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, load_hf_state_dict
 from hybrid3d.model.hf_weights import gather_hf_state_dict
+from hybrid3d.parallel.groups import build_groups
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 from tests.distributed import run_world
 from tests.tiny_llama import CASES, hf_reference, load_hf, make_hf_llama, max_rel_error, token_batch
 
@@ -64,9 +66,14 @@ def fresh_init_weights(model_dir, tp: TensorParallelGroup) -> dict:
 
 def layer_checks(tp: TensorParallelGroup) -> dict:
     """Each TP layer against its unsharded PyTorch counterpart; returns max relative errors."""
-    from hybrid3d.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                          gather_from_tp_region, scatter_to_tp_region,
-                                          vocab_parallel_cross_entropy)
+    from hybrid3d.parallel.tensor_parallel import (
+        ColumnParallelLinear,
+        RowParallelLinear,
+        VocabParallelEmbedding,
+        gather_from_tp_region,
+        scatter_to_tp_region,
+        vocab_parallel_cross_entropy,
+    )
 
     torch.manual_seed(99)  # identical full tensors on every rank
     errors = {}
@@ -154,7 +161,7 @@ def layer_checks(tp: TensorParallelGroup) -> dict:
 
 
 def rng_draws(tp: TensorParallelGroup) -> dict:
-    from hybrid3d.tensor_parallel import seed_tensor_parallel_rng, tensor_parallel_rng
+    from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng, tensor_parallel_rng
 
     seed_tensor_parallel_rng(INIT_SEED, tp.rank)
     with tensor_parallel_rng():
@@ -168,7 +175,7 @@ def world_checks(rank, world_size, model_dirs, batch):
     ids, targets = batch
     results = {}
     for layout in (ParallelLayout(tp=4, pp=1, dp=1), ParallelLayout(tp=2, pp=1, dp=2)):
-        groups = layout.build_groups()
+        groups = build_groups(layout)
         tp = groups.tensor_parallel()
         res = {
             "tp_rank": tp.rank,
@@ -183,7 +190,7 @@ def world_checks(rank, world_size, model_dirs, batch):
             res[case]["init"] = fresh_init_weights(model_dir, tp)
         results[layout.name] = res
     # A 3D layout's wiring: TP2 x PP2 over 4 ranks.
-    groups = ParallelLayout(tp=2, pp=2, dp=1).build_groups()
+    groups = build_groups(ParallelLayout(tp=2, pp=2, dp=1))
     results["TP2-PP2-DP1"] = {
         "tp_group_ranks": sorted(_group_ranks(groups.get_tensor_model_parallel_group(), dist)),
         "pipe_rank": groups.get_pipe_parallel_rank(),

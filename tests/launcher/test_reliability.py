@@ -18,7 +18,7 @@ import psutil
 import pytest
 import torch
 
-from hybrid3d.train import main
+from hybrid3d.training.entry import main
 from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
 
 FAULTS = str(Path(__file__).parent / "faults")

@@ -104,7 +104,7 @@ def test_training_starts_from_hf_weights(tmp_path):
     import torch.nn.functional as F
     from transformers import AutoTokenizer, LlamaForCausalLM
 
-    from hybrid3d.config import DataSection
+    from hybrid3d.config.sections import DataSection
     from hybrid3d.data import build_training_data, micro_batches
     from hybrid3d.data.builtin import builtin_tokenizer_path
     from tests.tiny_llama import make_hf_llama

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-from hybrid3d.config import ConfigError, DataSection
+from hybrid3d.config.sections import DataSection
 from hybrid3d.data import build_training_data, micro_batches
 from hybrid3d.data.builtin import builtin_tokenizer_path
+from hybrid3d.errors import ConfigError
 
 DOCS = [f"Document number {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(40)]
 

@@ -3,10 +3,12 @@
 import pytest
 from transformers import LlamaConfig
 
-from hybrid3d.layout import LayoutError, ParallelLayout
-from hybrid3d.model import LlamaShape, UnsupportedConfigError
+from hybrid3d.errors import LayoutError, UnsupportedConfigError
+from hybrid3d.model import LlamaShape
 from hybrid3d.model.hf_weights import param_specs
+from hybrid3d.parallel.layout import ParallelLayout
 from tests.tiny_llama import BASE, CASES
+from hybrid3d.model.tp_plan import check_split
 
 
 def shape(**overrides):
@@ -43,13 +45,13 @@ def test_bad_world_is_refused(world, tp, pp, needle):
 ])
 def test_layout_that_cannot_split_the_model_is_refused(layout, overrides, needle):
     with pytest.raises(LayoutError) as err:
-        layout.check_model(shape(**overrides))
+        check_split(shape(**overrides), layout.tp, layout.pp)
     assert needle in str(err.value)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 def test_valid_layouts_pass(tp):
-    ParallelLayout(tp, 2, 1).check_model(shape())
+    check_split(shape(), tp, 2)
 
 
 def test_kv_heads_split_or_replicated_in_the_weight_map():

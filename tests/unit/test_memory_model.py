@@ -4,8 +4,10 @@ counter on the Hugging Face model. (The model against DeepSpeed's real tensors: 
 import pytest
 import torch
 
-from hybrid3d.flops import matmul_parameters, peak_tflops, training_flops_per_token
-from hybrid3d.memory import (
+from hybrid3d.model import LlamaShape
+from hybrid3d.model.presets import PRESETS, preset_config
+from hybrid3d.planning.flops import matmul_parameters, peak_tflops, training_flops_per_token
+from hybrid3d.planning.memory import (
     activation_bytes,
     activation_bytes_per_layer,
     in_flight_micro_batches,
@@ -14,8 +16,6 @@ from hybrid3d.memory import (
     stage_parameter_numels,
     zero_paper_bytes,
 )
-from hybrid3d.model import LlamaShape
-from hybrid3d.model.presets import PRESETS, preset_config
 from tests.distributed.memory_worker import SHAPES
 
 

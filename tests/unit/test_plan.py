@@ -7,7 +7,7 @@ import pytest
 
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.plan import Cluster, main, plan
+from hybrid3d.planning.planner import Cluster, main, plan
 
 PSI_8B = 8_030_261_248  # Llama 3 8B parameters
 

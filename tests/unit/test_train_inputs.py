@@ -7,13 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from hybrid3d.config import ConfigError, parse_config
-from hybrid3d.overrides import apply_overrides
-from hybrid3d.layout import ParallelLayout
+from hybrid3d.config.overrides import apply_overrides
+from hybrid3d.config.run_config import parse_config
+
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.train import main
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.training.entry import main
 from tests.launcher.harness import REPO
+from hybrid3d.model.tp_plan import check_split
 
 DEMO = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
 
@@ -121,7 +123,7 @@ def test_shipped_config_is_valid(name, world):
     shape = LlamaShape.from_hf(preset_config(raw["hybrid3d"]["model"]["preset"]))
     parsed = parse_config(raw, world, num_layers=shape.num_layers, on_cpu=False)
     layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp)
-    layout.check_model(shape)
+    check_split(shape, layout.tp, layout.pp)
     ds = parsed.ds_config
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp
     assert parsed.hybrid.data.seq_length <= shape.max_position_embeddings
@@ -131,7 +133,7 @@ def test_shipped_config_is_valid(name, world):
 def test_gpu_recipe_fits_80gb_per_the_memory_model(name, world):
     """The GPU recipes cannot run here; their memory is checked with the model that matches
     DeepSpeed's tensors byte for byte on the CPU (tests/test_memory.py)."""
-    from hybrid3d.memory import activation_bytes, rank_model_states
+    from hybrid3d.planning.memory import activation_bytes, rank_model_states
 
     raw = json.loads((REPO / "ds_configs" / name).read_text())
     shape = LlamaShape.from_hf(preset_config(raw["hybrid3d"]["model"]["preset"]))

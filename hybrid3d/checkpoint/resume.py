@@ -1,0 +1,81 @@
+"""Where `checkpoint.load` points, whether that checkpoint is whole and is this model's, and how to
+load it into the current layout (natively, or resharded through DeepSpeed's universal checkpoint)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from hybrid3d.checkpoint.files import MANIFEST_KEY, META_FILE, read_meta
+from hybrid3d.errors import CheckpointError, ConfigError
+
+
+@dataclass
+class ResumePlan:
+    """What `checkpoint.load` points at and how to load it into the current layout."""
+
+    load_dir: Path  # the folder holding `latest` and the tag folders
+    tag: str
+    meta: dict  # contents of the tag's hybrid3d.json
+    module_only: bool  # weights only (a converted HF model): fresh optimizer, step 0
+    universal: bool  # the layout differs: reshard through DeepSpeed's universal checkpoint
+
+    @property
+    def universal_tag(self) -> str:
+        return f"{self.tag}_universal"
+
+
+def find_checkpoint(load: str, save_dir: Optional[str]) -> tuple[Path, str]:
+    """Resolve `checkpoint.load` ('latest', a save_dir with a `latest` file, or a tag folder)."""
+    key = "hybrid3d.checkpoint.load"
+    if load == "latest":
+        if not save_dir:
+            raise ConfigError(f"{key}=latest needs hybrid3d.checkpoint.save_dir")
+        folder = Path(save_dir)
+    else:
+        folder = Path(load)
+    if not folder.is_dir():
+        raise ConfigError(f"{key}: {folder} is not a folder")
+    latest = folder / "latest"
+    if latest.is_file():
+        tag = latest.read_text().strip()
+        if not (folder / tag).is_dir():
+            raise ConfigError(f"{key}: {latest} names tag {tag!r}, but {folder / tag} does not exist")
+        return folder, tag
+    if (folder / META_FILE).is_file():  # a tag folder itself
+        return folder.parent, folder.name
+    raise ConfigError(f"{key}: {folder} has neither a 'latest' file nor a {META_FILE} (not a hybrid3d checkpoint)")
+
+
+def check_manifest(tag_dir: Path, meta: dict) -> None:
+    """Missing or truncated files (per the manifest written at commit) -> CheckpointError naming the file."""
+    for name, size in (meta.get(MANIFEST_KEY) or {}).items():
+        path = tag_dir / name
+        if not path.is_file():
+            raise CheckpointError(f"hybrid3d.checkpoint.load: {path} is missing (the checkpoint is incomplete)")
+        actual = path.stat().st_size
+        if actual != size:
+            raise CheckpointError(f"hybrid3d.checkpoint.load: {path} has {actual} bytes, the manifest says {size} "
+                              "(truncated or overwritten)")
+
+
+def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict) -> ResumePlan:
+    """Check the checkpoint against the model and decide native vs universal loading."""
+    load_dir, tag = find_checkpoint(load, save_dir)
+    meta = read_meta(load_dir / tag)
+    if meta is None:
+        raise CheckpointError(f"hybrid3d.checkpoint.load: {load_dir / tag / META_FILE} is missing")
+    saved_shape = meta.get("shape", {})
+    differing = sorted(k for k in shape_dict if k in saved_shape and saved_shape[k] != shape_dict[k])
+    if differing:
+        first = differing[0]
+        raise CheckpointError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds another model "
+                          f"({first}={saved_shape[first]}, this run has {shape_dict[first]})")
+    check_manifest(load_dir / tag, meta)
+    saved = meta["layout"]
+    module_only = bool(meta.get("module_only", False))
+    if module_only and (saved["tp"], saved["pp"]) != (tp, pp):
+        raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
+                          f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
+                          f"with --tp {tp} --pp {pp}")
+    universal = not module_only and (saved["tp"], saved["pp"], saved["dp"]) != (tp, pp, dp)
+    return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

@@ -1,0 +1,47 @@
+"""What DeepSpeed's universal-checkpoint tools need to know about hybrid3d's parameters, and the
+conversion of a tag to a universal checkpoint (resharding to another TP/PP/DP layout).
+
+`ds_to_universal` merges TP shards by name pattern; these patterns come from the same table
+(`param_specs`) that slices HF weights, so conversion, training and resharding agree.
+"""
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from deepspeed.checkpoint import constants as uc
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import param_specs
+from hybrid3d.model.tp_plan import REPLICATED, ROW, VOCAB
+from hybrid3d.parallel.tensor_parallel import padded_vocab_size
+
+
+def _exact(names) -> list[str]:
+    return [f"^{re.escape(name)}$" for name in sorted(set(names))]
+
+
+def universal_checkpoint_info(shape: LlamaShape, tp_size: int) -> dict:
+    """The `universal_checkpoint_info` client state for a model split over `tp_size` ranks."""
+    specs = param_specs(shape, tp_size)
+    return {
+        uc.UNIVERSAL_CHECKPOINT_VERSION_KEY: uc.UNIVERSAL_CHECKPOINT_VERSION_VALUE,
+        uc.TP_REPLICATED_PARAMETER_PATTERNS: _exact(s.local_name for s in specs if s.kind == REPLICATED),
+        uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS: _exact(s.local_name for s in specs if s.kind == ROW),
+        uc.VOCABULARY_PARAMETER_PATTERNS: _exact(s.local_name for s in specs if s.kind == VOCAB),
+        uc.ORIGINAL_VOCAB_SIZE: shape.vocab_size,
+        uc.PADDED_VOCAB_SIZE: padded_vocab_size(shape.vocab_size, tp_size, shape.vocab_pad_multiple),
+    }
+
+
+def convert_to_universal(plan) -> Path:
+    """Run DeepSpeed's `ds_to_universal` on the tag (once; the result is kept next to it).
+    `plan` is a `hybrid3d.checkpoint.resume.ResumePlan`."""
+    output = plan.load_dir / plan.universal_tag
+    if not (output / "zero").is_dir():
+        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                        "--input_folder", str(plan.load_dir / plan.tag), "--output_folder", str(output),
+                        "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                       check=True, stdout=subprocess.DEVNULL)
+    return output

@@ -1,0 +1,138 @@
+"""Checks of the DeepSpeed keys hybrid3d depends on, run before anything is built.
+
+DeepSpeed would fail on these deep inside `deepspeed.initialize` (or not at all: the
+activation-checkpointing section is silently ignored); here each is one line naming the key.
+"""
+
+import math
+
+from hybrid3d.config.sections import SECTION, HybridSection, positive_int
+from hybrid3d.errors import ConfigError
+
+
+def complete_batch_sizes(ds: dict, dp: int) -> None:
+    """Fill in the missing one of train_batch_size / micro / GAS, checking train = micro x GAS x dp."""
+    tbs, mbs, gas = (ds.get(k) for k in ("train_batch_size", "train_micro_batch_size_per_gpu",
+                                         "gradient_accumulation_steps"))
+    for key, value in (("train_batch_size", tbs), ("train_micro_batch_size_per_gpu", mbs),
+                       ("gradient_accumulation_steps", gas)):
+        if value is not None:
+            positive_int(value, key)
+    if tbs is None and mbs is None:
+        raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu must be set")
+    if tbs is not None and mbs is not None and gas is not None:
+        if tbs != mbs * gas * dp:
+            raise ConfigError(
+                f"train_batch_size ({tbs}) != train_micro_batch_size_per_gpu ({mbs}) * gradient_accumulation_steps "
+                f"({gas}) * data-parallel size ({dp})")
+    elif tbs is not None and mbs is not None:
+        if tbs % (mbs * dp):
+            raise ConfigError(f"train_batch_size ({tbs}) is not divisible by train_micro_batch_size_per_gpu ({mbs}) "
+                              f"* data-parallel size ({dp})")
+        gas = tbs // (mbs * dp)
+    elif tbs is not None:
+        gas = gas or 1
+        if tbs % (gas * dp):
+            raise ConfigError(f"train_batch_size ({tbs}) is not divisible by gradient_accumulation_steps ({gas}) "
+                              f"* data-parallel size ({dp})")
+        mbs = tbs // (gas * dp)
+    else:
+        gas = gas or 1
+        tbs = mbs * gas * dp
+    ds.update(train_batch_size=tbs, train_micro_batch_size_per_gpu=mbs, gradient_accumulation_steps=gas)
+
+
+def check_zero_and_precision(ds: dict, pp: int, pipeline_zero2: bool = False) -> None:
+    zero = ds.get("zero_optimization", {})
+    if not isinstance(zero, dict):
+        raise ConfigError("zero_optimization must be a JSON object")
+    stage = zero.get("stage", 0)
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2, got {stage!r}")
+    if stage == 3:
+        raise ConfigError("zero_optimization.stage=3 is not supported: use stage 1 (with pipeline parallelism) "
+                          "or 2 (pipeline_parallel_size 1)")
+    if stage == 2 and pp > 1 and not pipeline_zero2:
+        raise ConfigError(
+            f"zero_optimization.stage=2 cannot run with {SECTION}.pipeline_parallel_size={pp} unless "
+            f"{SECTION}.pipeline_zero2=true, which reduces gradients every micro-batch (gradient traffic x "
+            "gradient_accumulation_steps, on the pipeline's critical path); or use stage 1")
+    bf16 = ds.get("bf16", {}).get("enabled", False)
+    fp16 = ds.get("fp16", {}).get("enabled", False)
+    accum = ds.get("data_types", {}).get("grad_accum_dtype")
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled and fp16.enabled cannot both be true")
+    if bf16 and accum in ("fp32", "float32") and stage == 0:
+        raise ConfigError("data_types.grad_accum_dtype=fp32 with bf16 needs zero_optimization.stage >= 1 "
+                          "(DeepSpeed's BF16_Optimizer shards fp32 masters over data parallel)")
+
+
+def check_nonfinite_policy(ds: dict, policy: str) -> None:
+    """'skip' relies on DeepSpeed's optimizer wrappers, which skip a step whose gradient norm is not
+    finite (BF16_Optimizer, DeepSpeedZeroOptimizer); plain fp32 without ZeRO has no wrapper."""
+    stage = ds.get("zero_optimization", {}).get("stage", 0)
+    low_precision = ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False)
+    if policy == "skip" and stage == 0 and not low_precision:
+        raise ConfigError(f"{SECTION}.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16 "
+                          "(DeepSpeed skips non-finite steps only in its optimizer wrappers); use 'stop'")
+
+
+def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
+    """The opt-in runs `hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`: ZeRO-2 in a pipeline, no offload."""
+    key, fraction = f"{SECTION}.pipeline_zero2", hybrid.pipeline_zero2_deferred_fraction
+    if fraction > 1:
+        raise ConfigError(f"{key}_deferred_fraction must be between 0 and 1, got {fraction}")
+    if not hybrid.pipeline_zero2:
+        if fraction > 0:
+            raise ConfigError(f"{key}_deferred_fraction needs {key}=true")
+        return
+    zero = ds.get("zero_optimization", {})
+    if zero.get("stage", 0) != 2:
+        raise ConfigError(f"{key} needs zero_optimization.stage=2, got {zero.get('stage', 0)}")
+    if hybrid.pipeline_parallel_size == 1:
+        raise ConfigError(f"{key} applies to {SECTION}.pipeline_parallel_size > 1 only "
+                          "(ZeRO-2 without a pipeline needs no opt-in)")
+    offload = zero.get("offload_optimizer") or {}
+    if zero.get("cpu_offload") or (isinstance(offload, dict) and offload.get("device", "none") != "none"):
+        raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
+
+
+def check_activation_checkpointing(ds: dict, pp: int, num_layers: int | None, on_cpu: bool) -> None:
+    pipe = ds.get("pipeline", {})
+    interval = pipe.get("activation_checkpoint_interval", 0)
+    if isinstance(interval, bool) or not isinstance(interval, int) or interval < 0:
+        raise ConfigError(f"pipeline.activation_checkpoint_interval must be an integer >= 0, got {interval!r}")
+    ac = ds.get("activation_checkpointing", {})
+    if not isinstance(ac, dict):
+        raise ConfigError("activation_checkpointing must be a JSON object")
+    partition = ac.get("partition_activations", False)
+    if ac.get("contiguous_memory_optimization", False):
+        if not partition:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "activation_checkpointing.partition_activations=true")
+        if ac.get("number_checkpoints") is None:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "activation_checkpointing.number_checkpoints")
+        if interval == 0:
+            raise ConfigError("activation_checkpointing.contiguous_memory_optimization needs "
+                              "pipeline.activation_checkpoint_interval > 0")
+        if num_layers is not None:
+            needed = checkpoints_in_flight(num_layers, pp, interval, ds["gradient_accumulation_steps"])
+            if ac["number_checkpoints"] < needed:
+                raise ConfigError(
+                    f"activation_checkpointing.number_checkpoints ({ac['number_checkpoints']}) is below the "
+                    f"{needed} checkpoints a stage holds ({num_layers} layers, pipeline_parallel_size {pp}, "
+                    f"activation_checkpoint_interval {interval})")
+    if ac.get("cpu_checkpointing", False) and not partition and on_cpu:
+        raise ConfigError("activation_checkpointing.cpu_checkpointing needs "
+                          "activation_checkpointing.partition_activations=true on the CPU accelerator "
+                          "(DeepSpeed empties the saved tensor otherwise)")
+    if ac.get("profile", False) and pipe.get("use_reentrant", True) is False:
+        raise ConfigError("activation_checkpointing.profile works only with pipeline.use_reentrant=true")
+
+
+def checkpoints_in_flight(num_layers: int, pp: int, interval: int, gas: int) -> int:
+    """Checkpointed chunks one stage holds at once: its chunks per micro-batch times the 1F1B
+    micro-batches in flight on the first stage, min(pp, GAS) (one without a pipeline)."""
+    chunks = math.ceil(math.ceil(num_layers / pp) / interval)
+    return chunks * (min(pp, gas) if pp > 1 else 1)

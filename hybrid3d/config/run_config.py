@@ -1,0 +1,70 @@
+"""The whole DeepSpeed JSON for a world size: the hybrid3d section parsed, the DeepSpeed keys checked,
+and the JSON DeepSpeed receives."""
+
+import json
+from dataclasses import dataclass, field
+
+from hybrid3d.config.ds_checks import (
+    check_activation_checkpointing,
+    check_nonfinite_policy,
+    check_pipeline_zero2,
+    check_zero_and_precision,
+    complete_batch_sizes,
+)
+from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section
+from hybrid3d.errors import ConfigError
+
+
+@dataclass
+class RunConfig:
+    """`ds_config` is what DeepSpeed receives: the JSON without the hybrid3d section, with the
+    batch sizes completed (train = micro x GAS x DP)."""
+
+    hybrid: HybridSection
+    ds_config: dict = field(default_factory=dict)
+
+    @property
+    def tp(self) -> int:
+        return self.hybrid.tensor_parallel_size
+
+    @property
+    def pp(self) -> int:
+        return self.hybrid.pipeline_parallel_size
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.ds_config.get("zero_optimization", {}).get("stage", 0))
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.ds_config["train_micro_batch_size_per_gpu"]
+
+    @property
+    def gradient_accumulation_steps(self) -> int:
+        return self.ds_config["gradient_accumulation_steps"]
+
+    @property
+    def checkpoint_interval(self) -> int:
+        return int(self.ds_config.get("pipeline", {}).get("activation_checkpoint_interval", 0))
+
+    @property
+    def use_reentrant(self) -> bool:
+        return self.ds_config.get("pipeline", {}).get("use_reentrant", True) is not False
+
+
+def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True) -> RunConfig:
+    """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks."""
+    hybrid = parse_hybrid_section(raw)
+    tp, pp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size
+    if world_size % (tp * pp):
+        raise ConfigError(
+            f"world size {world_size} is not divisible by {SECTION}.tensor_parallel_size * "
+            f"{SECTION}.pipeline_parallel_size = {tp} * {pp}")
+    ds = {k: v for k, v in raw.items() if k != SECTION}
+    ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
+    complete_batch_sizes(ds, world_size // (tp * pp))
+    check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
+    check_pipeline_zero2(ds, hybrid)
+    check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
+    check_activation_checkpointing(ds, pp, num_layers, on_cpu)
+    return RunConfig(hybrid=hybrid, ds_config=ds)

@@ -1,0 +1,155 @@
+"""The "hybrid3d" section of the DeepSpeed JSON: its typed sections and their parsing. Each error is
+one line that names the offending key."""
+
+import dataclasses
+import json
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any, Optional
+
+from hybrid3d.errors import ConfigError
+
+SECTION = "hybrid3d"
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    hf_model: Optional[str] = None  # a local HF Llama folder (config, tokenizer, optional weights)
+    init_from_hf: bool = False  # load the folder's weights instead of a random initialisation
+    preset: Optional[str] = None  # a named shape from hybrid3d.model.presets ('tiny', 'llama3-8b', ...)
+    config_overrides: dict = field(default_factory=dict)  # LlamaConfig fields to change
+
+
+@dataclass(frozen=True)
+class DataSection:
+    path: Optional[str] = None  # text/json/jsonl/parquet file(s), a save_to_disk folder; None = built-in corpus
+    text_field: str = "text"
+    tokenizer: Optional[str] = None  # HF tokenizer folder; None = the model folder's, else the built-in one
+    seq_length: int = 128
+    shuffle: bool = False
+    seed: int = 1234
+    eval_path: Optional[str] = None
+    eval_fraction: float = 0.0  # held-out tail of the documents when no eval_path is given
+
+
+@dataclass(frozen=True)
+class TrainSection:
+    steps: int = 100
+    eval_interval: int = 0  # 0 = no periodic evaluation
+    eval_steps: int = 1
+    log_interval: int = 1
+    output_dir: str = "outputs/run"
+    peak_tflops: Optional[float] = None  # per device, for MFU; None = from the device table
+    on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" the job, or "skip" the update
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    save_dir: Optional[str] = None  # None = <output_dir>/checkpoints
+    save_interval: int = 0  # 0 = only at the end (and on SIGTERM/SIGINT)
+    load: Optional[str] = None  # a checkpoint folder, or 'latest' for save_dir
+    keep_last: int = 0  # 0 = keep all
+
+
+@dataclass(frozen=True)
+class HybridSection:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    seed: int = 1234
+    timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
+    vocab_pad_multiple: int = 128
+    # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
+    partition_method: str = "type:DecoderBlock"
+    # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over
+    # data parallel every micro-batch, so that traffic is paid gradient_accumulation_steps times.
+    pipeline_zero2: bool = False
+    # Share of each stage's gradient elements accumulated locally and reduced once per step instead.
+    pipeline_zero2_deferred_fraction: float = 0.0
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    train: TrainSection = field(default_factory=TrainSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+
+
+def read_json(path) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except FileNotFoundError:
+        raise ConfigError(f"{path}: config file not found") from None
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{path}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a JSON object")
+    return raw
+
+
+def positive_int(value: Any, key: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{key} must be a positive integer, got {value!r}")
+    return value
+
+
+NON_NEGATIVE = {"seed", "eval_interval", "save_interval", "keep_last"}
+
+
+def _check_value(value: Any, annotation: Any, key: str, field_name: str) -> Any:
+    """Type-check one JSON value against a dataclass field annotation."""
+    optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
+    if optional:
+        if value is None:
+            return None
+        annotation = next(a for a in typing.get_args(annotation) if a is not type(None))
+    if annotation is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{key} must be true or false, got {value!r}")
+    elif annotation is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{key} must be an integer, got {value!r}")
+        minimum = 0 if field_name in NON_NEGATIVE else 1
+        if value < minimum:
+            raise ConfigError(f"{key} must be >= {minimum}, got {value}")
+    elif annotation is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or value < 0:
+            raise ConfigError(f"{key} must be a non-negative number, got {value!r}")
+        value = float(value)
+    elif annotation is str:
+        if not isinstance(value, str) or not value:
+            raise ConfigError(f"{key} must be a non-empty string, got {value!r}")
+    elif annotation is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{key} must be a JSON object, got {value!r}")
+    return value
+
+
+def _parse_section(section: Any, cls, prefix: str):
+    if not isinstance(section, dict):
+        raise ConfigError(f"{prefix} must be a JSON object")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in fields(cls)}
+    for key in section:
+        if key not in known:
+            raise ConfigError(f"{prefix}.{key} is not a known key (known: {', '.join(sorted(known))})")
+    values = {}
+    for name in known & set(section):
+        annotation = hints[name]
+        key = f"{prefix}.{name}"
+        if dataclasses.is_dataclass(annotation):
+            values[name] = _parse_section(section[name], annotation, key)
+        else:
+            values[name] = _check_value(section[name], annotation, key, name)
+    return cls(**values)
+
+
+def parse_hybrid_section(raw: dict) -> HybridSection:
+    section = _parse_section(raw.get(SECTION, {}), HybridSection, SECTION)
+    if section.data.eval_fraction >= 1:
+        raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
+    if section.train.on_nonfinite not in ("skip", "stop"):
+        raise ConfigError(f"{SECTION}.train.on_nonfinite must be 'skip' or 'stop', got {section.train.on_nonfinite!r}")
+    model = section.model
+    if model.hf_model and model.preset:
+        raise ConfigError(f"{SECTION}.model.hf_model and {SECTION}.model.preset are exclusive: set one")
+    if model.init_from_hf and not model.hf_model:
+        raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
+    return section

@@ -1,0 +1,74 @@
+"""The tensor-parallel plan of the Llama, as data: how every weight is split over the t TP ranks.
+
+One table, read by the model's constructors (attention.py, mlp.py), the HF weight slicing and
+merging (hf_weights.py), the universal-checkpoint patterns (checkpoint/universal.py) and the memory
+and traffic models (planning/). Megatron-LM's layout (Shoeybi et al., 2019): q/k/v and gate/up are
+column-parallel (output features split), o and down row-parallel (input features split), norms
+replicated, the embedding and the untied LM head split over the (padded) vocabulary.
+
+Key/value heads (GQA) are the one rule that depends on the sizes: split like q when t <= kv heads;
+when t is a multiple of kv heads, the full k/v weights are replicated on every rank, each rank uses
+the head its query heads share, and the weight gradient is summed over TP. Other combinations are
+refused (`check_split`).
+"""
+
+from hybrid3d.errors import LayoutError
+from hybrid3d.model.config import LlamaShape
+
+VOCAB, COLUMN, ROW, REPLICATED = "vocab", "column", "row", "replicated"
+KV = "kv"  # COLUMN or REPLICATED, by `kv_heads_split`
+
+# Decoder-block weights (HF names under `model.layers.<i>.`, hybrid3d names under `<i + 1>.`).
+BLOCK_PLAN = {
+    "self_attn.q_proj.weight": COLUMN,
+    "self_attn.k_proj.weight": KV,
+    "self_attn.v_proj.weight": KV,
+    "self_attn.o_proj.weight": ROW,
+    "mlp.gate_proj.weight": COLUMN,
+    "mlp.up_proj.weight": COLUMN,
+    "mlp.down_proj.weight": ROW,
+    "input_layernorm.weight": REPLICATED,
+    "post_attention_layernorm.weight": REPLICATED,
+}
+EMBEDDING, FINAL_NORM, LM_HEAD = VOCAB, REPLICATED, VOCAB
+
+
+def kv_heads_split(num_kv_heads: int, t: int) -> bool:
+    """True: k/v heads are split over TP (t <= kv); False: replicated on every rank (t > kv)."""
+    return t <= num_kv_heads
+
+
+def kv_heads_per_rank(num_kv_heads: int, t: int) -> int:
+    """kv heads a TP rank computes with: kv/t, or 1 when they are replicated."""
+    return num_kv_heads // t if kv_heads_split(num_kv_heads, t) else 1
+
+
+def kv_rows_per_rank(shape: LlamaShape, t: int) -> int:
+    """Rows of k_proj (and v_proj) a TP rank stores: kv/t heads, or all kv heads when replicated."""
+    heads = shape.num_kv_heads // t if kv_heads_split(shape.num_kv_heads, t) else shape.num_kv_heads
+    return heads * shape.head_dim
+
+
+def block_kind(name: str, shape: LlamaShape, t: int) -> str:
+    """The split of decoder-block weight `name` (a BLOCK_PLAN key) at TP size t."""
+    kind = BLOCK_PLAN[name]
+    if kind == KV:
+        return COLUMN if kv_heads_split(shape.num_kv_heads, t) else REPLICATED
+    return kind
+
+
+def check_split(shape: LlamaShape, t: int, pp: int = 1) -> None:
+    """Raise LayoutError if TP size t and pp stages cannot split `shape` exactly."""
+    if shape.num_heads % t:
+        raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size ({t})")
+    kv = shape.num_kv_heads
+    if kv % t and t % kv:
+        raise LayoutError(
+            f"num_key_value_heads ({kv}) and tensor_parallel_size ({t}) must divide one another "
+            f"(kv heads are split when tp <= {kv}, replicated when tp is a multiple of {kv})")
+    if shape.intermediate_size % t:
+        raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
+    if shape.num_layers < pp:
+        raise LayoutError(
+            f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({shape.num_layers}): "
+            "every stage needs at least one decoder block")

@@ -1,0 +1,25 @@
+"""Megatron-style tensor parallelism on the grid's slice (TP) group."""
+
+from hybrid3d.parallel.tensor_parallel.cross_entropy import IGNORE_INDEX, mean_token_loss, vocab_parallel_cross_entropy
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    padded_vocab_size,
+    vocab_parallel_logits,
+)
+from hybrid3d.parallel.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from hybrid3d.parallel.tensor_parallel.random import seed_tensor_parallel_rng, tensor_parallel_rng
+
+__all__ = [
+    "IGNORE_INDEX", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelGroup", "VocabParallelEmbedding",
+    "copy_to_tp_region", "gather_from_tp_region", "mean_token_loss", "padded_vocab_size", "reduce_from_tp_region",
+    "scatter_to_tp_region", "seed_tensor_parallel_rng", "tensor_parallel_rng", "vocab_parallel_cross_entropy",
+    "vocab_parallel_logits",
+]

@@ -1,0 +1,29 @@
+"""The tensor-parallel group as the TP layers see it (no DeepSpeed import: the lowest layer)."""
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup:
+    """A process group plus this rank's position in it, as the TP layers see it.
+
+    Layers receive it instead of reading a global, so the model's math depends only on what it
+    is given (a single-process model gets `TensorParallelGroup.single()`).
+    `group` is a torch/DeepSpeed process group (the grid's slice group), or None when
+    the model is not tensor-parallel (size 1): then every collective is a no-op.
+    """
+
+    group: Optional[Any]
+    rank: int
+    size: int
+
+    @classmethod
+    def single(cls) -> "TensorParallelGroup":
+        return cls(group=None, rank=0, size=1)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a tensor-parallel group of size {self.size} needs a process group")

@@ -1,0 +1,180 @@
+"""Megatron-style tensor-parallel layers (Shoeybi et al. 2019, §3).
+
+Every sharded parameter carries `tensor_model_parallel=True` (+ `partition_dim`) so DeepSpeed
+counts it once per TP rank in gradient norms, while replicated parameters are counted once.
+
+Weights are initialised as the full (unsharded) matrix from the default RNG, then sliced: all
+TP ranks share that RNG state, so the model's initial weights do not depend on the TP size.
+"""
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+
+InitMethod = Callable[[torch.Tensor], None]
+
+
+def normal_init(std: float) -> InitMethod:
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+
+def divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
+    """Attributes DeepSpeed (`runtime/utils.py: is_model_parallel_parameter`) and checkpoint tools read."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = 1
+
+
+def init_shard_(shard: torch.Tensor, full_shape, dim: int, tp: TensorParallelGroup, init: InitMethod) -> None:
+    """Fill `shard` with this rank's slice of a full tensor drawn by `init` (TP-size independent)."""
+    if shard.is_meta:
+        return
+    full = torch.empty(full_shape, dtype=torch.float32)
+    init(full)
+    local = full.chunk(tp.size, dim=dim)[tp.rank] if tp.size > 1 else full
+    with torch.no_grad():
+        shard.copy_(local)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A split by rows (output features) over TP: A = [A_1; ...; A_t].
+
+    x: (..., in) replicated; output: (..., out/t), or (..., out) with `gather_output`.
+    `copy_input=False` lets several column-parallel layers share one f operator (q/k/v,
+    gate/up) so the backward pass does one input-gradient all-reduce, not one per layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, *, bias: bool = False,
+                 gather_output: bool = False, copy_input: bool = True, init_method: Optional[InitMethod] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.out_per_rank = divide(out_features, tp.size, "output features")
+        self.gather_output, self.copy_input = gather_output, copy_input
+        init = init_method or normal_init(0.02)
+        self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=device, dtype=dtype))
+        init_shard_(self.weight, (out_features, in_features), 0, tp, init)
+        mark_tensor_parallel(self.weight, 0)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(self.out_per_rank, device=device, dtype=dtype))
+            mark_tensor_parallel(self.bias, 0)
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):  # (..., in) -> (..., out/t)
+        if self.copy_input:
+            x = copy_to_tp_region(x, self.tp)
+        y = F.linear(x, self.weight, self.bias)
+        return gather_from_tp_region(y, self.tp) if self.gather_output else y
+
+    def extra_repr(self):
+        return f"in={self.in_features}, out={self.out_features} (/{self.tp.size}), bias={self.bias is not None}"
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A split by columns (input features) over TP: A = [A_1, ..., A_t].
+
+    x: (..., in/t) when `input_is_parallel`, else (..., in) and scattered here;
+    output: (..., out), summed over TP ranks (g operator). The bias is replicated.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, *, bias: bool = False,
+                 input_is_parallel: bool = True, init_method: Optional[InitMethod] = None,
+                 device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        self.in_features, self.out_features = in_features, out_features
+        self.in_per_rank = divide(in_features, tp.size, "input features")
+        self.input_is_parallel = input_is_parallel
+        init = init_method or normal_init(0.02)
+        self.weight = nn.Parameter(torch.empty(out_features, self.in_per_rank, device=device, dtype=dtype))
+        init_shard_(self.weight, (out_features, in_features), 1, tp, init)
+        mark_tensor_parallel(self.weight, 1)
+        if bias:
+            self.bias = nn.Parameter(torch.zeros(out_features, device=device, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+
+    def forward(self, x):  # (..., in/t) -> (..., out)
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.tp)
+        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + self.bias
+
+    def extra_repr(self):
+        return f"in={self.in_features} (/{self.tp.size}), out={self.out_features}, bias={self.bias is not None}"
+
+
+def padded_vocab_size(vocab_size: int, tp_size: int, pad_multiple: int = 128) -> int:
+    """Round the vocabulary up to a multiple of tp * pad_multiple (Megatron's
+    `make-vocab-size-divisible-by`), so every TP rank holds an equal, aligned slice."""
+    if pad_multiple < 1:
+        raise ValueError(f"vocab pad multiple must be >= 1, got {pad_multiple}")
+    multiple = tp_size * pad_multiple
+    return int(math.ceil(vocab_size / multiple) * multiple)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split in contiguous ranges over TP.
+
+    ids: (b, s) -> (b, s, h). Each rank looks up the ids in its range, zeros the rest, and the
+    partial results are summed over TP. Rows past `vocab_size` are padding, initialised to zero.
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, tp: TensorParallelGroup, *, pad_multiple: int = 128,
+                 init_method: Optional[InitMethod] = None, device=None, dtype=None):
+        super().__init__()
+        self.tp = tp
+        self.vocab_size = vocab_size
+        self.padded_vocab_size = padded_vocab_size(vocab_size, tp.size, pad_multiple)
+        self.per_rank = self.padded_vocab_size // tp.size
+        self.vocab_start = tp.rank * self.per_rank
+        self.vocab_end = self.vocab_start + self.per_rank
+        self.embedding_dim = embedding_dim
+        init = init_method or normal_init(0.02)
+
+        def init_with_zero_padding(full):
+            init(full[:vocab_size])
+            full[vocab_size:].zero_()
+
+        self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
+        init_shard_(self.weight, (self.padded_vocab_size, embedding_dim), 0, tp, init_with_zero_padding)
+        mark_tensor_parallel(self.weight, 0)
+
+    def forward(self, ids):  # (b, s) -> (b, s, h)
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
+        local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
+        out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.tp)
+
+    def extra_repr(self):
+        return (f"vocab={self.vocab_size} (padded {self.padded_vocab_size}, /{self.tp.size}), "
+                f"dim={self.embedding_dim}")
+
+
+def vocab_parallel_logits(hidden, weight, tp: TensorParallelGroup):
+    """LM-head logits from a vocab-sharded weight: (b, s, h) x (V/t, h) -> (b, s, V/t).
+
+    Used by the untied head (a ColumnParallelLinear) and by the tied head, which reuses the
+    VocabParallelEmbedding weight."""
+    return F.linear(copy_to_tp_region(hidden, tp), weight)

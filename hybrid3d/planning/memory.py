@@ -1,0 +1,354 @@
+"""Analytic per-rank memory: model states (ZeRO stages as DeepSpeed 0.19 implements them) and activations.
+
+Letters: Ψ parameters (on this rank), Nd data-parallel degree, K optimizer bytes per parameter,
+b micro-batch, s sequence, h hidden, a heads, f intermediate (SwiGLU), V vocabulary, L layers,
+t tensor-parallel degree, p pipeline stages, m micro-batches per step (GAS), B reduce_bucket_size.
+
+Model states — ZeRO paper (Rajbhandari et al. 2020, §5, Fig. 1) with mixed precision and Adam (K = 12):
+    DP: (2 + 2 + K)·Ψ      ZeRO-1 (P_os): 4Ψ + K·Ψ/Nd      ZeRO-2 (P_os+g): 2Ψ + (2 + K)·Ψ/Nd
+`zero_paper_bytes` is that accounting. `rank_model_states` is what DeepSpeed 0.19 really allocates,
+read from its optimizer wrappers and confirmed by counting their tensors (`hybrid3d.memory_probe`):
+
+| precision, ZeRO             | wrapper                 | at the accumulation boundary             | at the step       |
+|-----------------------------|-------------------------|------------------------------------------|-------------------|
+| fp32, 0                     | (torch optimizer)       | 4Ψ params + 4Ψ grads + 8Ψ Adam           | same              |
+| bf16, 0, p = 1              | FP16_UnfusedOptimizer   | 2Ψ + 2Ψ grads + 4Ψ master + 8Ψ Adam      | + 4Ψ fp32 grads   |
+| bf16, 0, p > 1              | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 2Ψ buffer + 12Ψ/Nd    | + 4Ψ/Nd fp32 grads|
+| bf16 + fp32 accum, 1        | BF16_Optimizer          | 2Ψ + 2Ψ lp grads + 4Ψ buffer + 12Ψ/Nd    | same              |
+| bf16 or fp32 (x bytes), 1   | DeepSpeedZeroOptimizer  | xΨ + xΨ grads + xB bucket + 12Ψ/Nd       | xΨ + 16Ψ/Nd       |
+| bf16 or fp32 (x bytes), 2   | DeepSpeedZeroOptimizer  | xΨ + x·(G + G if m > 1) + xB + 12Ψ/Nd    | xΨ + 16Ψ/Nd       |
+| bf16 + fp32 accum, 2        | DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd partition + 2B + 12Ψ/Nd       | 2Ψ + 16Ψ/Nd       |
+| same, p > 1 (pipeline_zero2)| DeepSpeedZeroOptimizer  | 2Ψ + 4Ψ/Nd + 2B + 2T + 4Ψ_def + 12Ψ/Nd   | 2Ψ + 16Ψ/Nd       |
+
+BF16_Optimizer keeps the bf16 `.grad` of every parameter besides its flat accumulation buffer
+(it zeroes them rather than freeing them), hence 2Ψ more than the 2Ψ + 4Ψ + 12Ψ/Nd often quoted.
+G is the number of elements of the whole parameters that overlap this rank's partition (ZeRO-2
+sizes `grads_in_partition` by whole parameters), so it depends on the DP rank; the buffer exists
+only once a bucket holding one of them has been reduced, and a parameter larger than B bypasses
+the bucket and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the
+bucketing. Flat buffers are padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`);
+padding is counted.
+`hybrid3d.pipeline_zero2` (ZeRO-2 inside the 1F1B pipeline) is counted at its worst moment, a bucket
+reduction in the last backward or in the release of the Ψ_def deferred elements
+(`pipeline_zero2_deferred_fraction`, fp32 accumulators): T gradient elements are outside the bucket
+then (`_pipeline_zero2_grads` replays the bucketing).
+Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
+count of one TP rank of one pipeline stage (`stage_parameter_numels`).
+
+Activations — Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", §4, Eq. 1-2) give sbh(34 + 5as/h) bytes per GPT layer, sbh(10 + 24/t + 5as/(ht)) with TP and
+no sequence parallelism. `activation_bytes_per_layer` adapts that count to this Llama: no dropout
+(no masks), RMSNorm, SwiGLU (4 tensors of sbf/t: gate out, up out, silu out, down in), GQA (K and V
+are sbk/t wide, k = kv heads · head dim, or one head per rank when t > kv heads) and a fused SDPA
+kernel that keeps an fp32 log-sum-exp (4·asb/t) instead of the 5as²b/t score terms (Korthikanti's
+"selective recomputation" of attention, §4.2). With full checkpointing each layer keeps only its
+input (2sbh; 2sbh/t with `partition_activations`) plus one recomputed layer. 1F1B keeps
+min(p - stage, m) micro-batches in flight on a stage (Narayanan et al. 2021, §2.2).
+"""
+
+import math
+from dataclasses import dataclass
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.pipe import stage_bounds
+from hybrid3d.model.tp_plan import kv_rows_per_rank
+from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
+
+PRECISIONS = ("fp32", "bf16", "bf16+fp32acc")
+TORCH, UNFUSED, BF16_OPT, ZERO_OPT = "torch", "FP16_UnfusedOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer"
+ALIGNMENT_FACTOR = 2  # DeepSpeed's nccl_start_alignment_factor: flat buffers are padded to 2·Nd elements
+DEFAULT_REDUCE_BUCKET = 500_000_000  # DeepSpeed's default zero_optimization.reduce_bucket_size (elements)
+GB = 1e9
+
+
+def zero_paper_bytes(psi: float, nd: int, stage: int, k: int = 12) -> float:
+    """Model-state bytes per device in the ZeRO paper's accounting (Rajbhandari et al. 2020, §5.1):
+    2Ψ fp16 params, 2Ψ fp16 grads, KΨ optimizer states (K = 12 for mixed-precision Adam)."""
+    if stage == 0:
+        return (2 + 2 + k) * psi
+    if stage == 1:
+        return 2 * psi + 2 * psi + k * psi / nd
+    if stage == 2:
+        return 2 * psi + (2 + k) * psi / nd
+    if stage == 3:
+        return (2 + 2 + k) * psi / nd
+    raise ValueError(f"ZeRO stage must be 0-3, got {stage}")
+
+
+# ---------------------------------------------------------------- parameters per rank
+
+
+def layer_parameter_numels(shape: LlamaShape, t: int) -> list[tuple[str, list[int]]]:
+    """(layer type, tensor sizes on one TP rank in registration order) for every pipeline layer spec.
+
+    Mirrors `hybrid3d.model.layers`: [Embedding, DecoderBlock x L, FinalNorm, LMHead (untied)] and,
+    when tied, the head is a second copy of the embedding (a TiedLayerSpec on the last stage)."""
+    h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    vocab_rows = padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) // t
+    q = shape.num_heads * d // t
+    block = [h, q * h, kv_rows_per_rank(shape, t) * h, kv_rows_per_rank(shape, t) * h, h * q, h, f // t * h, f // t * h, h * (f // t)]
+    specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block)] * shape.num_layers + [("FinalNorm", [h])]
+    specs.append(("TiedEmbedding" if shape.tie_word_embeddings else "LMHead", [vocab_rows * h]))
+    return specs
+
+
+def stage_parameter_numels(shape: LlamaShape, t: int, pp: int, stage: int) -> list[int]:
+    """Sizes of the parameters one TP rank of `stage` holds, in `module.parameters()` order.
+
+    A tied embedding lives in `tied_modules` (registered before the layers) on the first stage and,
+    as the head's copy, on the last; every other layer in spec order."""
+    specs = layer_parameter_numels(shape, t)
+    bounds = stage_bounds(shape.num_layers, pp)
+    local = specs[bounds[stage]:bounds[stage + 1]]
+    tied = shape.tie_word_embeddings
+    first = [n for kind, sizes in local if tied and kind in ("Embedding", "TiedEmbedding") for n in sizes][:1]
+    rest = [n for kind, sizes in local if not (tied and kind in ("Embedding", "TiedEmbedding")) for n in sizes]
+    return first + rest
+
+
+def model_parameters(shape: LlamaShape) -> int:
+    """Parameters of the unsharded model: unpadded vocabulary, a tied embedding counted once."""
+    block = sum(dict(layer_parameter_numels(shape, 1))["DecoderBlock"])
+    embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
+    return embeddings + shape.num_layers * block + shape.hidden_size
+
+
+# ---------------------------------------------------------------- model states
+
+
+def optimizer_wrapper(zero: int, precision: str, pp: int) -> str:
+    """The wrapper DeepSpeed 0.19's engine picks (`runtime/engine.py: _configure_optimizer`)."""
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if zero not in (0, 1, 2):
+        raise ValueError(f"ZeRO stage must be 0, 1 or 2, got {zero}")
+    if precision == "fp32":
+        return TORCH if zero == 0 else ZERO_OPT
+    if precision == "bf16":
+        if zero == 0:
+            return BF16_OPT if pp > 1 else UNFUSED
+        return ZERO_OPT
+    if zero == 0:
+        raise ValueError("bf16 with grad_accum_dtype fp32 needs ZeRO stage >= 1")
+    return BF16_OPT if zero == 1 else ZERO_OPT
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    """Bytes per category on one rank (the categories of `hybrid3d.memory_probe`)."""
+
+    params: int
+    grads: int
+    master: int
+    optim_states: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.master + self.optim_states
+
+
+@dataclass(frozen=True)
+class RankModelStates:
+    boundary: ModelStates  # after the last micro-batch's backward, before the DP reduction
+    step: ModelStates  # when the base optimizer's step starts
+    wrapper: str
+
+    @property
+    def peak(self) -> ModelStates:
+        return max((self.boundary, self.step), key=lambda s: s.total)
+
+
+def aligned_numel(psi: int, nd: int) -> int:
+    """Ψ rounded up to DeepSpeed's flat-buffer alignment of 2·Nd elements."""
+    unit = ALIGNMENT_FACTOR * nd
+    return math.ceil(psi / unit) * unit
+
+
+def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: str, pp: int, dp_rank: int = 0,
+                             gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+                             pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
+    """Model-state bytes of one rank holding parameters of sizes `numels` (see the module table);
+    `pipeline_zero2`: ZeRO-2 with pp > 1 through `hybrid3d.pipeline_zero2` (bf16 + fp32 accumulation)."""
+    wrapper = optimizer_wrapper(zero, precision, pp)
+    psi, k = sum(numels), len(numels)
+    lp = 4 if precision == "fp32" else 2
+    psi_a = aligned_numel(psi, nd)
+    part = psi_a // nd
+    adam = 8 * part + 4  # exp_avg + exp_avg_sq of the flat fp32 partition, one step counter
+    bucket = lp * reduce_bucket_size
+    if wrapper == TORCH:
+        states = ModelStates(params=4 * psi, grads=4 * psi, master=0, optim_states=8 * psi + 4 * k)
+        return RankModelStates(states, states, wrapper)
+    if wrapper == UNFUSED:
+        boundary = ModelStates(params=2 * psi, grads=2 * psi, master=4 * psi, optim_states=8 * psi + 4 * k)
+        return RankModelStates(boundary, ModelStates(2 * psi, 2 * psi + 4 * psi, 4 * psi, 8 * psi + 4 * k), wrapper)
+    if wrapper == BF16_OPT:
+        accum = 4 if precision == "bf16+fp32acc" else 2
+        boundary = ModelStates(params=2 * psi_a, grads=2 * psi + accum * psi_a, master=4 * part, optim_states=adam)
+        fp32_copy = 0 if accum == 4 else 4 * part  # the partition's gradient cast to fp32 for the step
+        step = ModelStates(boundary.params, boundary.grads + fp32_copy, boundary.master, adam)
+        return RankModelStates(boundary, step, wrapper)
+    step = ModelStates(params=lp * psi_a, grads=4 * part, master=4 * part, optim_states=adam)
+    if zero == 1:
+        grads = lp * psi + bucket
+    elif precision == "bf16+fp32acc" and pipeline_zero2:
+        deferred = _pipeline_zero2_deferred(numels, deferred_fraction)
+        mine = _params_in_partition(numels, part, dp_rank)
+        grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
+    elif precision == "bf16+fp32acc":
+        grads = 4 * part + bucket
+    else:
+        grads = bucket + _zero2_boundary_grads(numels, part, dp_rank, reduce_bucket_size, gas) * lp
+    return RankModelStates(ModelStates(lp * psi_a, grads, 4 * part, adam), step, wrapper)
+
+
+def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucket: int, gas: int) -> int:
+    """Gradient elements ZeRO-2 holds outside its bucket after the last backward, before its epilogue.
+
+    Replays the bucketing of `reduce_independent_p_g_buckets_and_remove_grads` in backward order
+    (the reverse of the parameters'): a bucket is reduced when the next gradient would overflow it.
+    - `grads_in_partition` (G: whole parameters overlapping this rank's range) exists once a gradient
+      of this rank's partition has been reduced in this backward;
+    - a gradient larger than the bucket bypasses it and waits, as `.grad`, for the next reduction;
+    - with m > 1, `all_grad_tensors` (G) holds the previous micro-batches' sum."""
+    start, end = partition * dp_rank, partition * (dp_rank + 1)
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    mine = {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
+    whole = sum(numels[i] for i in mine)
+    reduced, pending, running = set(), [], 0
+    for i in reversed(range(len(numels))):
+        if running + numels[i] > bucket:
+            reduced.update(pending)
+            pending, running = [], 0
+        pending.append(i)
+        running += numels[i]
+    held = whole if reduced & mine else 0
+    held += sum(numels[i] for i in pending if numels[i] > bucket)
+    return held + (whole if gas > 1 else 0)
+
+
+def _pipeline_zero2_deferred(numels: list[int], fraction: float) -> set[int]:
+    """Indices `hybrid3d.pipeline_zero2.deferred_parameters` picks: in order, each that still fits."""
+    budget, chosen = fraction * sum(numels), set()
+    for i, n in enumerate(numels):
+        if n <= budget:
+            chosen.add(i)
+            budget -= n
+    return chosen
+
+
+def _params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:
+    """Indices of the parameters overlapping [dp_rank·P, (dp_rank+1)·P) (`is_param_in_current_partition`)."""
+    start, end = partition * dp_rank, partition * (dp_rank + 1)
+    offsets = [sum(numels[:i]) for i in range(len(numels))]
+    return {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
+
+
+def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int], bucket: int, partition: int,
+                          gas: int) -> int:
+    """Peak gradient bytes (bf16 weights, fp32 accumulation) of a rank under `hybrid3d.pipeline_zero2`.
+
+    Replays, like `_zero2_boundary_grads`, what `reduce_independent_p_g_buckets_and_remove_grads`
+    holds at each bucket reduction of the last backward (reverse parameter order) and of the release
+    of the deferred gradients (forward order): the 2B bucket, gradients outside it (the one that
+    triggers the reduction, oversized ones waiting as `.grad` for the next reduction and, when they
+    overlap this rank's partition (`mine`), until the epilogue, `stage_1_and_2.py:2179-2182`), the
+    4-byte accumulators of the deferred gradients not yet released, and the 4·P fp32 partition once a
+    reduction has touched `mine`. A deferred gradient triggers reductions but enters the bucket only
+    when released."""
+    accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
+    has_partition = gas > 1 and bool(mine - deferred)
+    worst, running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, 0, False
+
+    def held(extra: int) -> int:
+        return 4 * partition * has_partition + 2 * bucket + 2 * (kept + waiting + extra) + accumulators
+
+    def offer(i: int, enters: bool) -> None:
+        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
+        if running + numels[i] > bucket:
+            worst = max(worst, held(numels[i]))
+            has_partition |= bucket_mine
+            running, waiting, kept, waiting_mine, bucket_mine = 0, 0, kept + waiting_mine, 0, False
+        if enters:
+            running += numels[i]
+            bucket_mine |= i in mine
+            if numels[i] > bucket:
+                waiting += numels[i]
+                waiting_mine += numels[i] if i in mine else 0
+
+    def epilogue() -> None:
+        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
+        worst = max(worst, held(0))
+        has_partition |= bucket_mine
+        running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, False
+
+    for i in reversed(range(len(numels))):
+        offer(i, enters=i not in deferred)
+        if i in deferred and gas == 1:
+            accumulators += 4 * numels[i]
+    epilogue()
+    for i in sorted(deferred):
+        accumulators -= 4 * numels[i]
+        offer(i, enters=True)
+    if deferred:
+        epilogue()
+    return max(worst, 4 * partition)
+
+
+def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
+                      dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
+                      pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
+    """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp."""
+    numels = stage_parameter_numels(shape, tp, pp, stage)
+    return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
+                                    pipeline_zero2, deferred_fraction)
+
+
+# ---------------------------------------------------------------- activations
+
+
+def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True) -> float:
+    """Bytes one decoder block keeps for backward per micro-batch (bf16; adaptation in the module docstring).
+
+    replicated over TP: 2 norm inputs + q/k/v input + gate/up input = 8sbh;
+    sharded: Q 2sbh/t, K and V 2·2sbk/t, attention output 2sbh/t, SwiGLU 4·2sbf/t;
+    attention core: fp32 log-sum-exp 4asb/t (fused kernel) or softmax 2as²b/t (unfused)."""
+    h, a, f = shape.hidden_size, shape.num_heads, shape.intermediate_size
+    k = kv_rows_per_rank(shape, t)
+    replicated = 8 * s * b * h
+    sharded = 2 * s * b * h / t + 2 * 2 * s * b * k + 2 * s * b * h / t + 4 * 2 * s * b * f / t
+    core = 4 * a * s * b / t if flash_attention else 2 * a * s * s * b / t
+    return replicated + sharded + core
+
+
+def output_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int) -> float:
+    """Last stage, per micro-batch: final-norm input and head input (2·2sbh), bf16 logits (2sbV/t) and
+    the fp32 softmax the vocab-parallel cross entropy keeps (4sbV/t)."""
+    v = padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple)
+    return 4 * s * b * shape.hidden_size + 6 * s * b * v / t
+
+
+def in_flight_micro_batches(pp: int, stage: int, gas: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at once: min(p - stage, m)."""
+    return min(pp - stage, gas) if pp > 1 else 1
+
+
+def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
+    bounds = stage_bounds(shape.num_layers, pp)
+    return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
+
+
+def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
+                     checkpointing: bool = False, partition_activations: bool = False,
+                     flash_attention: bool = True) -> float:
+    """Activation bytes of one rank of `stage`: in-flight micro-batches x (its layers' activations, or
+    with checkpointing their inputs) + with checkpointing one layer being recomputed."""
+    layers = stage_layer_count(shape, pp, stage)
+    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention)
+    last = stage == pp - 1
+    extra = output_layer_activation_bytes(shape, b, s, tp) if last else 0.0
+    if checkpointing:
+        kept = 2 * s * b * shape.hidden_size / (tp if partition_activations else 1)
+        per_micro = layers * kept + extra
+        return in_flight_micro_batches(pp, stage, gas) * per_micro + per_layer
+    return in_flight_micro_batches(pp, stage, gas) * (layers * per_layer + extra)

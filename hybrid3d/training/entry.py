@@ -1,0 +1,131 @@
+"""The training job: `deepspeed launch/train.py --deepspeed_config CFG.json [--section.key value ...]`.
+
+Everything that can be checked before any process group or file exists is checked first, so a
+user error ends every rank with one line on stderr, exit code 2, and nothing written.
+"""
+
+import argparse
+import dataclasses
+import glob
+import os
+import sys
+from pathlib import Path
+
+from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
+from hybrid3d.config.overrides import apply_overrides, parse_override_args
+from hybrid3d.config.run_config import parse_config
+from hybrid3d.config.sections import parse_hybrid_section, read_json
+from hybrid3d.ds_internals import check_deepspeed_version
+from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError, UserError
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_source import HFSource
+from hybrid3d.model.hf_weights import param_specs
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.training.model_source import resolve_model
+from hybrid3d.model.tp_plan import check_split
+
+STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "tie_word_embeddings")
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(
+        prog="launch/train.py", description="Train a Llama with TP x PP x DP (ZeRO) on DeepSpeed.",
+        epilog="Any other --section.key value pair overrides the JSON, e.g. --train.steps 200 "
+               "--checkpoint.load latest --zero_optimization.stage 1")
+    parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a \"hybrid3d\" section")
+    parser.add_argument("--eval-only", action="store_true", help="load checkpoint.load, evaluate, print, exit")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
+    args, rest = parser.parse_known_args(argv)
+    return args, parse_override_args(rest)
+
+
+@dataclasses.dataclass
+class Job:
+    """Everything validated before the process group starts."""
+
+    raw: dict
+    hybrid: object
+    config: object
+    layout: ParallelLayout
+    shape: LlamaShape
+    source: object
+    save_dir: Path
+    output_dir: Path
+    plan: ResumePlan | None
+    hf_weights: HFSource | None
+    override_log: list
+
+
+def prepare(args, overrides, world_size: int) -> Job:
+    from deepspeed.accelerator import get_accelerator
+
+    check_deepspeed_version()
+
+    raw = read_json(args.deepspeed_config)
+    override_log = apply_overrides(raw, overrides)
+    hybrid = parse_hybrid_section(raw)
+    source = resolve_model(hybrid.model, hybrid.data)
+    shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
+    on_cpu = get_accelerator().device_name() == "cpu"
+    config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
+    layout = ParallelLayout.for_world(world_size, config.tp, config.pp)
+    check_split(shape, layout.tp, layout.pp)
+    train, data = hybrid.train, hybrid.data
+    if data.seq_length > shape.max_position_embeddings:
+        raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
+                          f"max_position_embeddings ({shape.max_position_embeddings})")
+    if train.eval_interval and not (data.eval_path or data.eval_fraction):
+        raise ConfigError("hybrid3d.train.eval_interval needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
+    if data.path is not None and not glob.glob(data.path):
+        raise ConfigError(f"hybrid3d.data.path: {data.path} does not exist")
+    if data.eval_path is not None and not Path(data.eval_path).exists():
+        raise ConfigError(f"hybrid3d.data.eval_path: {data.eval_path} does not exist")
+    output_dir = Path(train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"hybrid3d.train.output_dir: {output_dir} exists and is not a folder")
+    save_dir = Path(hybrid.checkpoint.save_dir or output_dir / "checkpoints")
+    plan = None
+    if hybrid.checkpoint.load:
+        structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
+        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure)
+    if args.eval_only and plan is None:
+        raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
+    hf_weights = None
+    if hybrid.model.init_from_hf and (plan is None):
+        hf_weights = HFSource.open(hybrid.model.hf_model)
+        names = {s.hf_name for s in param_specs(shape, layout.tp)}
+        missing = sorted(names - set(hf_weights))
+        if missing:
+            raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
+    return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log)
+
+
+def main(argv=None) -> int:
+    args, overrides = None, None
+    rank = int(os.environ.get("RANK", "0"))
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+        job = prepare(args, overrides, world_size)
+    except UserError as e:
+        if rank == 0:  # every rank found the same error; one line is enough
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    from hybrid3d.training.job import run_job  # heavy imports only once the job is known to be valid
+
+    try:
+        return run_job(job, eval_only=args.eval_only, rank=rank)
+    except ReportedError as e:  # rank 0 prints this one
+        return e.exit_code
+    except UserError as e:  # found after start-up (e.g. in a checkpoint): may be on some ranks only
+        print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except NonFiniteError as e:  # every rank sees the same values
+        if rank == 0:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""The distributed part of the training job: data, engine, resume, the step loop, checkpoints."""
+
+import dataclasses
+import json
+import math
+import os
+import time
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import deepspeed
+import deepspeed.comm as dist
+import numpy as np
+from deepspeed.accelerator import get_accelerator
+
+from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
+from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
+from hybrid3d.checkpoint.universal import convert_to_universal
+from hybrid3d.data import build_training_data, micro_batches
+from hybrid3d.ds_internals import pipeline_stage_layers
+from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
+from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
+from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
+from hybrid3d.training.metrics import MetricsLogger, info
+from hybrid3d.training.trainer import build_trainer
+from hybrid3d.training.rng import restore_rng, rng_state
+from hybrid3d.training.signals import StopRequest
+from hybrid3d.training.step_policies import EvalSchedule, NonFinitePolicy, SaveSchedule
+from hybrid3d.training.watchdog import Watchdog
+
+# DeepSpeed's ZeRO-1 all-gather calls a deprecated torch alias once per step on every rank.
+warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+
+
+def rank0_first(fn, rank: int):
+    """Run `fn` on rank 0 first (it fills caches), then on the others; a user error on rank 0
+    is re-raised on every rank instead of leaving them waiting."""
+    error = [None]
+    result = None
+    if rank == 0:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error[0] = str(e)
+    dist.broadcast_object_list(error, src=0)
+    if error[0] is not None:
+        raise ConfigError(error[0]) if rank == 0 else ReportedError(error[0])
+    return result if rank == 0 else fn()
+
+
+def layout_summary(trainer) -> list[str]:
+    """One line per pipeline stage: its layers and parameters (per TP rank)."""
+    module = trainer.module
+    if trainer.uses_pipeline:
+        first, last = pipeline_stage_layers(module)
+    else:
+        first, last = 0, len(module.layers) - 1
+    local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
+                 dp=trainer.groups.get_data_parallel_rank(), first=int(first), last=int(last),
+                 params=sum(p.numel() for p in module.parameters()))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, local)
+    lines = []
+    for stage in range(trainer.layout.pp):
+        ranks = [r for r in everyone if r["stage"] == stage and r["dp"] == 0]
+        r0 = ranks[0]
+        lines.append(f"  stage {stage}: layers {r0['first']}-{r0['last']}, "
+                     f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
+                     f"in the stage)")
+    return lines
+
+
+def evaluate(trainer, data, job, dp_rank) -> float:
+    batch = job.config.ds_config["train_batch_size"]
+    losses = [trainer.eval_step(micro_batches(data.eval, k, batch, dp_rank, job.layout.dp,
+                                              job.config.micro_batch_size))
+              for k in range(job.hybrid.train.eval_steps)]
+    return float(np.mean(losses))
+
+
+def load_checkpoint(trainer, plan) -> dict:
+    """Load per the plan; return the hybrid3d client state ({} for a weights-only checkpoint)."""
+    tag = plan.universal_tag if plan.universal else plan.tag
+    client_state = trainer.load(str(plan.load_dir), tag=tag, module_only=plan.module_only)
+    if plan.module_only:
+        return {}
+    if not client_state:
+        raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {plan.load_dir / tag}")
+    return client_state.get("hybrid3d", {})
+
+
+def run_job(job, eval_only: bool, rank: int) -> int:
+    """Run the job; on every exit path tear the world down in one order: the step loop's helper
+    thread (joined inside `_run_job`), a barrier on success only (an error may be on some ranks
+    only, so waiting for the others could hang), the process groups, the shared-memory buffers.
+
+    A rank leaving with its process group alive aborts in C++ ("terminate called without an active
+    exception") when the interpreter destroys the communicator's threads at exit."""
+    succeeded = False
+    try:
+        code = _run_job(job, eval_only, rank)
+        succeeded = True
+        return code
+    finally:
+        if dist.is_initialized():
+            if succeeded:
+                dist.barrier()
+            dist.destroy_process_group()
+        if get_accelerator().device_name() == "cpu":
+            remove_shm_buffers(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"),
+                               os.environ.get("LOCAL_RANK", rank))
+
+
+def _run_job(job, eval_only: bool, rank: int) -> int:
+    hybrid, layout = job.hybrid, job.layout
+    # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
+    # timeout is a backstop behind it, so the clearer message wins.
+    deepspeed.init_distributed(timeout=timedelta(seconds=2 * hybrid.timeout_seconds))
+    is_rank0 = rank == 0
+    for line in job.override_log:
+        info(f"override {line}", is_rank0)
+
+    source = job.source
+    data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizer, source.tokenizer_dir,
+                                                   source.tokenizer.eos_token_id), rank)
+    config = dataclasses.replace(job.config, ds_config=json.loads(json.dumps(job.config.ds_config)))
+    if job.plan is not None and job.plan.universal:
+        info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
+             "through DeepSpeed's universal checkpoint", is_rank0)
+        rank0_first(lambda: convert_to_universal(job.plan), rank)
+        config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+
+    if job.plan is not None and not job.plan.module_only:
+        verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())
+    trainer = build_trainer(config, job.shape, hf_state_dict=job.hf_weights)
+    config = trainer.config
+    step, client = 0, {}
+    if job.plan is not None:
+        client = load_checkpoint(trainer, job.plan)
+        step = int(client.get("step", 0))
+        if "rng" in client and not job.plan.universal:
+            restore_rng(client["rng"])
+        info(f"loaded {job.plan.load_dir / job.plan.tag} at step {step}", is_rank0)
+
+    dp_rank = trainer.groups.get_data_parallel_rank()
+    info(f"layout {layout.name}: {job.shape.num_layers} decoder layers, ZeRO stage {config.zero_stage}, "
+         f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
+         f"= {config.ds_config['train_batch_size']} sequences of {hybrid.data.seq_length} tokens", is_rank0)
+    for line in layout_summary(trainer):
+        info(line, is_rank0)
+
+    if eval_only:
+        if data.eval is None:
+            raise ConfigError("--eval-only needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
+        eval_loss = evaluate(trainer, data, job, dp_rank)
+        info(f"eval_loss {eval_loss:.6f} perplexity {math.exp(min(eval_loss, 50)):.3f} "
+             f"({hybrid.train.eval_steps} batches, checkpoint step {step})", is_rank0)
+        return 0
+
+    output_dir, save_dir = job.output_dir, job.save_dir
+    if is_rank0:
+        output_dir.mkdir(parents=True, exist_ok=True)
+        (output_dir / "config.json").write_text(json.dumps(job.raw, indent=1))
+        (save_dir / HF_FILES_DIR).mkdir(parents=True, exist_ok=True)
+        source.hf_config.save_pretrained(save_dir / HF_FILES_DIR)
+        source.tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
+    dist.barrier()
+
+    batch, seq = config.ds_config["train_batch_size"], hybrid.data.seq_length
+    flops = training_flops_per_token(job.shape, seq)
+    peak = hybrid.train.peak_tflops or peak_tflops()
+    logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
+                           enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
+    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp},
+            "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
+    saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)
+    last_saved = step if job.plan is not None and not job.plan.module_only else None
+    saves = SaveSchedule(hybrid.checkpoint.save_interval, lambda at: saver.save(at, rng_state()),
+                         lambda at: save_dir / tag_for_step(at), last_saved)
+    stop = StopRequest(device=get_accelerator().current_device_name())
+    with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
+        return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0)
+
+
+def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0) -> int:
+    """Train from `step` to train.steps; each policy decides when it acts."""
+    hybrid, layout, config = job.hybrid, job.layout, trainer.config
+    batch = config.ds_config["train_batch_size"]
+    evals, nonfinite = EvalSchedule(hybrid.train.eval_interval), NonFinitePolicy(hybrid.train.on_nonfinite)
+
+    def save(at_step: int) -> Path:
+        watchdog.beat(f"the checkpoint save at step {at_step}")
+        return saves.save(at_step)
+
+    info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
+    while step < hybrid.train.steps:
+        watchdog.beat(f"step {step + 1}")
+        started = time.perf_counter()
+        loss = trainer.train_step(micro_batches(data.train, step, batch, dp_rank, layout.dp, config.micro_batch_size))
+        get_accelerator().synchronize()
+        step_time = time.perf_counter() - started
+        step += 1
+        grad_norm = trainer.engine.get_global_grad_norm()
+        grad_norm = float(grad_norm) if grad_norm is not None else None
+        lr = float(trainer.engine.get_lr()[0])
+        try:
+            warning = nonfinite.check(loss, grad_norm, step, last_checkpoint=saves.last_path())
+        except NonFiniteError:
+            logger.record(step, loss, lr, grad_norm, step_time)
+            raise
+        if warning:
+            info(warning, is_rank0)
+        eval_loss = None
+        if evals.due(step):
+            watchdog.beat(f"the evaluation at step {step}")
+            eval_loss = evaluate(trainer, data, job, dp_rank)
+        should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
+        logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None)
+        if saves.due(step):
+            save(step)
+        if stop.agreed():
+            who = stop.who()
+            path = save(step)
+            info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
+            return 0
+    path = save(step)
+    info(f"done: {step} steps; checkpoint {path}; metrics {job.output_dir / 'metrics.jsonl'}", is_rank0)
+    return 0

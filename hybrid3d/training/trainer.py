@@ -1,0 +1,178 @@
+"""Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
+
+- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1; stage 2 with the
+  `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
+- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
+
+DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
+`build_trainer` calls `deepspeed.checkpointing.configure` with the layout's process groups.
+"""
+
+import dataclasses
+import functools
+from pathlib import Path
+from typing import Iterator, Optional
+
+import deepspeed
+import deepspeed.comm as dist
+import torch
+from deepspeed.accelerator import get_accelerator
+from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
+
+from hybrid3d.checkpoint.files import read_meta
+from hybrid3d.checkpoint.universal import universal_checkpoint_info
+from hybrid3d.config.run_config import RunConfig, parse_config
+from hybrid3d.ds_internals import pipeline_zero2
+from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
+from hybrid3d.model.pipe import build_pipeline_module
+from hybrid3d.parallel.groups import ProcessGroups, build_groups
+from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
+from hybrid3d.model.tp_plan import check_split
+
+Batch = tuple  # (input_ids (b, s), targets (b, s))
+
+
+class Trainer:
+    """A DeepSpeed engine plus what the training loop needs to know about the layout."""
+
+    def __init__(self, engine, config: RunConfig, layout: ParallelLayout, groups: ProcessGroups, shape: LlamaShape):
+        self.engine = engine
+        self.config = config
+        self.layout = layout
+        self.groups = groups
+        self.shape = shape
+
+    @property
+    def module(self):
+        return self.engine.module
+
+    @property
+    def uses_pipeline(self) -> bool:
+        return self.layout.pp > 1
+
+    @property
+    def global_steps(self) -> int:
+        return self.engine.global_steps
+
+    def train_step(self, micro_batches: Iterator[Batch]) -> float:
+        """One optimizer step over GAS micro-batches; the loss averaged over micro-batches and DP."""
+        raise NotImplementedError
+
+    def eval_step(self, micro_batches: Iterator[Batch]) -> float:
+        """Loss over GAS micro-batches without gradients, averaged over micro-batches and DP."""
+        raise NotImplementedError
+
+    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> None:
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {})
+
+    def load(self, load_dir: str, tag: Optional[str] = None, module_only: Optional[bool] = None, **kwargs) -> dict:
+        """Load a checkpoint. `module_only` (None: detect it) loads the weights alone, keeping the
+        fresh optimizer, scheduler and step count: what a converted HF model (hf2hybrid) holds."""
+        if module_only is None:
+            module_only = self._is_module_only(Path(load_dir), tag)
+        if module_only:
+            kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
+        _, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        return client_state or {}
+
+    def _is_module_only(self, load_dir: Path, tag: Optional[str]) -> bool:
+        """The tag's hybrid3d.json says so; without one, a ZeRO checkpoint lacking `*optim_states.pt`
+        files is weights only (without ZeRO the optimizer state sits in the model files instead)."""
+        if tag is None:
+            latest = load_dir / "latest"
+            if not latest.is_file():
+                return False  # DeepSpeed reports the missing tag
+            tag = latest.read_text().strip()
+        meta = read_meta(load_dir / tag)
+        if meta is not None:
+            return bool(meta.get("module_only", False))
+        return self.engine.zero_optimization() and not any((load_dir / tag).glob("*optim_states.pt"))
+
+
+class PipelineTrainer(Trainer):
+    def train_step(self, micro_batches):
+        return float(self.engine.train_batch(data_iter=micro_batches))
+
+    def eval_step(self, micro_batches):
+        return float(self.engine.eval_batch(data_iter=micro_batches))
+
+
+class DataParallelTrainer(Trainer):
+    def _dp_mean(self, losses) -> float:
+        loss = torch.stack(losses).float().mean()
+        if self.layout.dp > 1:
+            dist.all_reduce(loss, group=self.groups.get_data_parallel_group())
+            loss /= self.layout.dp
+        return loss.item()
+
+    def train_step(self, micro_batches):
+        losses = []
+        for _ in range(self.engine.gradient_accumulation_steps()):
+            ids, targets = next(micro_batches)
+            device = self.engine.device
+            loss = self.module.loss_fn(self.engine(ids.to(device)), targets.to(device))
+            self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
+            self.engine.step()  # steps the optimizer only at the accumulation boundary
+            losses.append(loss.detach())
+        return self._dp_mean(losses)
+
+    def eval_step(self, micro_batches):
+        losses = []
+        self.engine.eval()
+        with torch.no_grad():
+            for _ in range(self.engine.gradient_accumulation_steps()):
+                ids, targets = next(micro_batches)
+                device = self.engine.device
+                losses.append(self.module.loss_fn(self.engine(ids.to(device)), targets.to(device)))
+        self.engine.train()
+        return self._dp_mean(losses)
+
+
+def configure_activation_checkpointing(groups: ProcessGroups, config: RunConfig) -> None:
+    """Apply the JSON `activation_checkpointing` section (DeepSpeed parses but never applies it)."""
+    ds_checkpointing.configure(groups, deepspeed_config=config.ds_config)
+
+
+def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Optional[dict] = None) -> Trainer:
+    """Build groups and model, load HF weights if given, initialise DeepSpeed.
+
+    Every rank must call it (it creates process groups). `config` is the config the training job
+    parsed before start-up, or a DeepSpeed JSON with its "hybrid3d" section, parsed here (errors in
+    it raise `ConfigError` before anything is built).
+    """
+    if isinstance(config, dict):
+        on_cpu = get_accelerator().device_name() == "cpu"
+        config = parse_config(config, dist.get_world_size(), num_layers=shape.num_layers, on_cpu=on_cpu)
+    shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
+    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp)
+    check_split(shape, layout.tp, layout.pp)
+    groups = build_groups(layout)
+    tp = groups.tensor_parallel()
+    seed = config.hybrid.seed
+    seed_tensor_parallel_rng(seed, tp.rank)
+    configure_activation_checkpointing(groups, config)
+
+    if layout.pp > 1:
+        module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method)
+    else:
+        checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
+        module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
+                                 checkpoint_fn=checkpoint_fn)
+    if hf_state_dict is not None:
+        load_hf_state_dict(module, hf_state_dict, shape, tp)
+    # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
+    module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
+
+    initialize = deepspeed.initialize
+    if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)
+        initialize = functools.partial(pipeline_zero2.initialize,
+                                       deferred_fraction=config.hybrid.pipeline_zero2_deferred_fraction)
+    engine, _, _, _ = initialize(
+        model=module,
+        model_parameters=[p for p in module.parameters() if p.requires_grad],
+        config=config.ds_config,
+        mpu=None if layout.pp > 1 else groups,  # the PipelineModule carries its own grid
+    )
+    trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
+    return trainer_cls(engine, config, layout, groups, shape)
