@@ -10,7 +10,7 @@ One spawned world per data-parallel degree (PP2 x DP2 on 4 ranks, PP2 x DP4 on 8
 - ZeRO-2+PP with `pipeline_zero2_deferred_fraction` f: the memory/traffic curve.
 
 Per configuration and rank, during the second step:
-- gradient bytes: the larger "grads" census of `hybrid3d.memory_probe.PeakProbe`'s two snapshots
+- gradient bytes: the larger "grads" census of `hybrid3d.ds_internals.memory_probe.PeakProbe`'s two snapshots
   (for ZeRO-2+PP the largest at a bucket reduction or epilogue, deferred accumulators included, and
   the optimizer step), against `hybrid3d.memory`; and what stays allocated after the step;
 - collective bytes from DeepSpeed's comms logger (message sizes as logged), by caller; wire bytes a

@@ -17,7 +17,7 @@ NOTES = """## How to read it
 - Model states: the larger of two snapshots of the optimizer's tensors in the second step (after the
   last backward, before the DP reduction; at the base optimizer's step), one row per configuration
   and stage showing its rank with the largest error; `rows.csv` has every rank and category.
-  Predicted by `hybrid3d.memory.rank_model_states` (see docs/memory.md).
+  Predicted by `hybrid3d.planning.memory.rank_model_states` (see docs/memory.md).
 - Peak RSS: the process's high-water mark while the configuration was built and trained (reset
   before each); it includes the ~0.4 GB of Python, torch and DeepSpeed every rank carries.
 - Traffic: bytes passed to collectives in one step as DeepSpeed's comms logger records them (message

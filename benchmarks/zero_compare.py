@@ -4,8 +4,8 @@
 One spawned world runs every configuration in turn, `--repeats` times round-robin, so the
 throughput figures of all configurations come from the same minutes of the same machine. Per
 configuration and rank:
-- model-state bytes counted from the optimizer's own tensors (`hybrid3d.memory_probe.PeakProbe`)
-  during the second step, against `hybrid3d.memory.rank_model_states`;
+- model-state bytes counted from the optimizer's own tensors (`hybrid3d.ds_internals.memory_probe.PeakProbe`)
+  during the second step, against `hybrid3d.planning.memory.rank_model_states`;
 - peak RSS of the configuration (the kernel's high-water mark, reset before it is built);
 - collective bytes of one step from DeepSpeed's comms logger, split by caller into TP, DP and
   pipeline traffic, against `hybrid3d.comm_volume`;
