@@ -21,7 +21,7 @@ from hybrid3d.checkpoint.resume import plan_resume
 from hybrid3d.convert.__main__ import main as convert_main
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
-from hybrid3d.errors import ConfigError, ConversionError
+from hybrid3d.errors import CheckpointError, ConversionError
 from tests.distributed import run_world
 from tests.distributed.convert_worker import EVAL_STEP, convert_world
 from tests.distributed.engine_runs import STEPS, global_batch, hf_reference_run
@@ -121,7 +121,7 @@ def test_converted_checkpoint_is_accepted_by_the_training_entry_point(sources, t
     # The manifest lets the entry point catch a truncated file before DeepSpeed opens it.
     layer = tmp_path / "ckpt" / "global_step0" / "layer_01-model_00-model_states.pt"
     layer.write_bytes(layer.read_bytes()[:-10])
-    with pytest.raises(ConfigError, match="layer_01-model_00-model_states.pt"):
+    with pytest.raises(CheckpointError, match="layer_01-model_00-model_states.pt"):
         plan_resume(str(tmp_path / "ckpt"), None, tp=2, pp=2, dp=2, shape_dict=structure)
 
 
