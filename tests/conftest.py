@@ -1,15 +1,19 @@
 """Test tiers by folder: tests/unit runs in this process (the fast tier, `pytest -m "not slow"`);
-tests/distributed spawns gloo worlds and tests/launcher runs the real `deepspeed` launcher (slow)."""
+tests/distributed spawns gloo worlds and tests/launcher runs the real `deepspeed` launcher (slow);
+tests/gpu needs CUDA devices (`pytest -m gpu`)."""
 
 from pathlib import Path
 
 import pytest
 
-SLOW_FOLDERS = ("distributed", "launcher")
+SLOW_FOLDERS = ("distributed", "launcher", "gpu")
 
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
     for item in items:
-        if Path(item.fspath).relative_to(root).parts[0] in SLOW_FOLDERS:
+        folder = Path(item.fspath).relative_to(root).parts[0]
+        if folder in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+        if folder == "gpu":
+            item.add_marker(pytest.mark.gpu)

@@ -3,6 +3,7 @@
 from pathlib import Path
 
 import deepspeed.comm as dist
+from deepspeed.accelerator import get_accelerator
 import torch
 
 from hybrid3d.checkpoint.commit import (
@@ -18,7 +19,7 @@ from hybrid3d.errors import CheckpointError, NonFiniteError, ReportedError
 
 def weights_are_finite(module) -> bool:
     """All ranks agree whether every local parameter is finite (one all-reduce)."""
-    bad = torch.tensor([0], dtype=torch.int32)
+    bad = torch.tensor([0], dtype=torch.int32, device=get_accelerator().current_device_name())
     for p in module.parameters():
         if not torch.isfinite(p.detach()).all():
             bad[0] = 1

@@ -78,16 +78,27 @@ def _verify(args) -> int:
     logits, loss = hybrid_logits_and_loss(trainer, ids, targets)
 
     reporter = layout.topology().get_rank(pipe=layout.pp - 1, data=0, model=0)
-    verdict = torch.zeros(1)
+    passed = None
     if dist.get_rank() == reporter:
         hf = _hf_model(args.hf_model)
         with torch.no_grad():
             ref = hf(ids).logits.float()  # (b, s, V)
         ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
         passed = report(logits.float(), loss, ref, ref_loss, layout, args)
+    return 0 if broadcast_verdict(passed, reporter) else 1
+
+
+def broadcast_verdict(passed, reporter: int) -> bool:
+    """The reporter's pass/fail on every rank (`passed` is None elsewhere)."""
+    import deepspeed.comm as dist
+    import torch
+    from deepspeed.accelerator import get_accelerator
+
+    verdict = torch.zeros(1, device=get_accelerator().current_device_name())  # NCCL takes device tensors only
+    if passed is not None:
         verdict.fill_(1.0 if passed else 0.0)
     dist.broadcast(verdict, src=reporter)
-    return 0 if verdict.item() == 1.0 else 1
+    return verdict.item() == 1.0
 
 
 def hybrid_logits_and_loss(trainer, ids, targets):

@@ -7,6 +7,8 @@ shm_buffers.py, PipelineModule's stage bounds below), so they are written and te
 version: `check_deepspeed_version()` turns any other into one line at start-up.
 """
 
+from contextlib import contextmanager
+
 TESTED_DEEPSPEED = "0.19.8"
 
 
@@ -26,3 +28,28 @@ def check_deepspeed_version(installed: str | None = None) -> None:
 def pipeline_stage_layers(module) -> tuple[int, int]:
     """(first, last) global layer index a PipelineModule built on this rank (DeepSpeed keeps them private)."""
     return int(module._local_start), int(module._local_stop) - 1
+
+
+@contextmanager
+def pipeline_module_uses_grid(grid):
+    """Build PipelineModules on the layout's `PipelineParallelGrid` instead of a second one.
+
+    `PipelineModule.__init__` always creates its own grid (`runtime/pipe/module.py:183`), i.e. a
+    second process group for every TP, DP, pipe and model-parallel group next to the layout's: on
+    NCCL a second communicator each (memory and start-up time). The grid class it calls is
+    replaced by one returning `grid` while the module is built."""
+    from deepspeed.runtime.pipe import module as pipe_module
+
+    built = pipe_module.PipelineParallelGrid
+
+    def layout_grid(process_group=None, topology=None):
+        dims = lambda topo: {axis: topo.get_dim(axis) for axis in topo.get_axis_names()}  # noqa: E731
+        if topology is not None and dims(topology) != dims(grid._topo):
+            raise ValueError(f"PipelineModule topology {dims(topology)} is not the layout's {dims(grid._topo)}")
+        return grid
+
+    pipe_module.PipelineParallelGrid = layout_grid
+    try:
+        yield
+    finally:
+        pipe_module.PipelineParallelGrid = built

@@ -14,7 +14,7 @@ from torch import nn
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import COLUMN, block_kind, kv_heads_per_rank
-from hybrid3d.model.rope import apply_rope, inverse_frequencies, rope_cos_sin
+from hybrid3d.model.rope import RotaryFrequencies, apply_rope, rope_cos_sin
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -53,7 +53,7 @@ class Attention(nn.Module):
         self.heads = shape.num_heads // tp.size
         self.kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp.size)
         self.dropout = shape.attention_dropout
-        self.inv_freq = inverse_frequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, a/t, s, d)
         k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/t, s, d)
         v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(self.inv_freq, s, x.device, x.dtype)
+        cos, sin = rope_cos_sin(self.rotary.inv_freq, s, x.device, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads differ per TP rank, so must their dropout masks

@@ -8,6 +8,7 @@ low frequencies by `factor`, keeps high ones, and interpolates smoothly in betwe
 import math
 
 import torch
+from torch import nn
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
@@ -31,10 +32,26 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
     return torch.where(is_medium, smoothed, scaled)
 
 
+class RotaryFrequencies(nn.Module):
+    """The inverse frequencies as a non-persistent buffer: it moves with the module (`.to(device)`),
+    so no layer copies it to the device in every forward, but it stays fp32 under `.bfloat16()` /
+    `.to(dtype)`, which would round the frequencies (DeepSpeed casts the whole module for bf16)."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
+        super().__init__()
+        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
+
+    def _apply(self, fn, recurse=True):
+        fp32 = self.inv_freq
+        super()._apply(fn, recurse)
+        self.inv_freq = fp32.to(self.inv_freq.device)  # the new device, the old (fp32) values
+        return self
+
+
 def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device, dtype):
     """cos, sin of shape (s, head_dim) for positions 0..s-1, computed in fp32."""
     positions = torch.arange(seq_len, device=device, dtype=torch.float32)
-    freqs = torch.outer(positions, inv_freq.to(device))  # (s, d/2)
+    freqs = torch.outer(positions, inv_freq)  # (s, d/2)
     emb = torch.cat((freqs, freqs), dim=-1)  # (s, d)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

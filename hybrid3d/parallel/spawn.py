@@ -29,7 +29,11 @@ def _rank_entry(rank, fn, world_size, port, result_dir, args):
     import deepspeed
     import deepspeed.comm as dist
 
+    from deepspeed.accelerator import get_accelerator
+
     backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
+    if backend == "nccl":
+        get_accelerator().set_device(rank)  # one GPU per rank, before any communicator exists
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
     result = fn(rank, world_size, *args)
     torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))

@@ -22,7 +22,7 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.run_config import RunConfig, parse_config
-from hybrid3d.ds_internals import pipeline_zero2
+from hybrid3d.ds_internals import pipeline_module_uses_grid, pipeline_zero2
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.pipe import build_pipeline_module
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
@@ -106,12 +106,19 @@ class DataParallelTrainer(Trainer):
             loss /= self.layout.dp
         return loss.item()
 
+    def _to_device(self, tensor):
+        """Host batch -> the engine's device: pinned and asynchronous on an accelerator (the copy
+        overlaps the previous micro-batch's kernels); a no-op on the CPU."""
+        device = self.engine.device
+        if torch.device(device).type == "cpu":
+            return tensor
+        return tensor.pin_memory().to(device, non_blocking=True)
+
     def train_step(self, micro_batches):
         losses = []
         for _ in range(self.engine.gradient_accumulation_steps()):
             ids, targets = next(micro_batches)
-            device = self.engine.device
-            loss = self.module.loss_fn(self.engine(ids.to(device)), targets.to(device))
+            loss = self.module.loss_fn(self.engine(self._to_device(ids)), self._to_device(targets))
             self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             losses.append(loss.detach())
@@ -123,8 +130,7 @@ class DataParallelTrainer(Trainer):
         with torch.no_grad():
             for _ in range(self.engine.gradient_accumulation_steps()):
                 ids, targets = next(micro_batches)
-                device = self.engine.device
-                losses.append(self.module.loss_fn(self.engine(ids.to(device)), targets.to(device)))
+                losses.append(self.module.loss_fn(self.engine(self._to_device(ids)), self._to_device(targets)))
         self.engine.train()
         return self._dp_mean(losses)
 
@@ -154,7 +160,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     configure_activation_checkpointing(groups, config)
 
     if layout.pp > 1:
-        module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method)
+        with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
+            module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method)
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,

@@ -40,7 +40,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     optimizer = trainer.engine.optimizer
     report = {
         "losses": losses,
-        "weights": {k: v.float() for k, v in gather_hf_state_dict(
+        "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
         "forwards_per_step": forwards_per_step,
@@ -48,6 +48,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),
         "local_numel": sum(p.numel() for p in trainer.module.parameters()),
+        # One set of process groups: the pipeline engine runs on the layout's grid, not a second one.
+        "shared_grid": getattr(trainer.engine, "grid", trainer.groups.grid) is trainer.groups.grid,
         "dp_rank": dp_rank,
         "stage": trainer.groups.stage_id,
         "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),

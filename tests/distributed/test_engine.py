@@ -139,6 +139,11 @@ def test_pipeline_balances_decoder_blocks(results):
         assert {r["blocks_on_rank"] for r in results["runs"][name]} == {per_stage}, name
 
 
+def test_engines_share_the_layouts_process_groups(results):
+    for name, reports in results["runs"].items():
+        assert all(r["shared_grid"] for r in reports), name
+
+
 @pytest.mark.bf16
 @pytest.mark.parametrize("run", BF16_RUNS, ids=lambda r: r["name"])
 def test_bf16_masters_are_fp32_and_sharded(bf16_results, run):

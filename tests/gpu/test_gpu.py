@@ -1,0 +1,157 @@
+"""GPU tests (CUDA + NCCL), `python -m pytest -m gpu`: the layout matrix against HF on the GPUs the
+machine has, a GPU recipe shrunk to fit, `hybrid3d.verify` on a converted checkpoint, save and
+resume. Skipped with a reason where there is no CUDA device. HYBRID3D_GPU_TESTS_ON_CPU=1 runs the
+same code on the CPU accelerator (gloo), to check the tests themselves on a machine without GPUs.
+"""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.distributed import run_world
+from tests.distributed.engine_runs import STEPS, hf_reference_run
+from tests.distributed.engine_worker import train_runs
+from tests.launcher.harness import REPO, launch_env, read_metrics
+from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, update_excess
+from tests.tiny_llama import load_hf, make_hf_llama, make_training_models, max_rel_error
+
+ON_CPU = os.environ.get("HYBRID3D_GPU_TESTS_ON_CPU") == "1"
+DEVICES = 2 if ON_CPU else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
+ACCELERATOR = "cpu" if ON_CPU else "cuda"
+pytestmark = pytest.mark.skipif(DEVICES == 0, reason="no CUDA device (HYBRID3D_GPU_TESTS_ON_CPU=1 runs these on CPU)")
+
+RUN_TOL = 1e-4  # fp32, as tests/distributed/test_engine.py
+BF16 = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}}
+CANDIDATES = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (2, 1, 2), (1, 2, 2), (2, 2, 2)]
+
+
+def gpu_layouts():
+    return [(t, p, d) for t, p, d in CANDIDATES if t * p * d <= DEVICES]
+
+
+def gpu_runs():
+    runs = []
+    for t, p, d in gpu_layouts():
+        for zero in (1, 2) if p == 1 else (1,):
+            base = dict(case="gqa", tp=t, pp=p, zero=zero, world=t * p * d)
+            runs.append(dict(base, name=f"TP{t}-PP{p}-DP{d}-Z{zero}"))
+            runs.append(dict(base, name=f"bf16-TP{t}-PP{p}-DP{d}-Z{zero}", extra=BF16))
+    return runs
+
+
+def accelerator_env():
+    env = launch_env()
+    env["DS_ACCELERATOR"] = ACCELERATOR
+    return env
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gpu_matrix")
+    model_dirs = make_training_models(root)
+    ref = hf_reference_run(model_dirs["gqa"])
+    initial = {n: p.detach().clone() for n, p in load_hf(model_dirs["gqa"]).named_parameters()}
+    previous = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = ACCELERATOR
+    try:
+        by_rank = {}
+        for world in sorted({r["world"] for r in gpu_runs()}):
+            runs = [r for r in gpu_runs() if r["world"] == world]
+            ranks = run_world(train_runs, world, str(root / f"world{world}"), runs, model_dirs)
+            by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in runs})
+    finally:
+        os.environ.pop("DS_ACCELERATOR") if previous is None else os.environ.update(DS_ACCELERATOR=previous)
+    return {"ref": ref, "initial": initial, "runs": by_rank}
+
+
+def merged(reports):
+    out = {}
+    for report in reports:
+        out.update(report["weights"])
+    return out
+
+
+@pytest.mark.parametrize("run", [r for r in gpu_runs() if "extra" not in r], ids=lambda r: r["name"])
+def test_fp32_layout_matches_hf(matrix, run):
+    ref, reports = matrix["ref"], matrix["runs"][run["name"]]
+    for report in reports:
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= RUN_TOL
+    weights = merged(reports)
+    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= RUN_TOL}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("run", [r for r in gpu_runs() if "extra" in r], ids=lambda r: r["name"])
+def test_bf16_layout_tracks_fp32(matrix, run):
+    reports, fp32 = matrix["runs"][run["name"]], matrix["runs"][run["name"].removeprefix("bf16-")]
+    assert {r["param_dtypes"][0] for r in reports} == {"torch.bfloat16"}
+    for report, twin in zip(reports, fp32):
+        assert len(report["losses"]) == STEPS
+        assert loss_gap(report["losses"], twin["losses"]) <= BF16_LOSS_GAP
+    gaps = update_excess(merged(reports), merged(fp32), matrix["initial"])
+    assert not {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
+
+
+def shrunk_recipe(tmp: Path, steps: int, **train) -> Path:
+    """ds_configs/gpu_llama2-7b_8gpu.json with a 4-layer model, 256-token sequences, local data and
+    the layout cut to the devices present (bf16, fp32 masters, ZeRO-1, activation checkpointing kept)."""
+    raw = json.loads((REPO / "ds_configs" / "gpu_llama2-7b_8gpu.json").read_text())
+    tp, pp = min(2, DEVICES), 2 if DEVICES >= 4 else 1
+    dp = DEVICES // (tp * pp)
+    tmp.mkdir(parents=True, exist_ok=True)
+    docs = tmp / "docs.jsonl"
+    docs.write_text("".join(json.dumps({"text": f"Document {i}. " + "the quick brown fox jumps " * (5 + i % 7)}) + "\n"
+                            for i in range(400)))
+    raw.update(train_batch_size=2 * 2 * dp, gradient_accumulation_steps=2)
+    raw["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=2)
+    section = raw["hybrid3d"]
+    section.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    section["model"]["config_overrides"] = {"num_hidden_layers": 4, "hidden_size": 256, "intermediate_size": 688,
+                                            "num_attention_heads": 8, "num_key_value_heads": 8}
+    section["data"] = {"path": str(docs), "seq_length": 256}
+    section["train"].update(steps=steps, log_interval=1, eval_interval=0, output_dir=str(tmp / "run"), **train)
+    section["checkpoint"] = {"save_interval": 2, "keep_last": 0}
+    path = tmp / "recipe.json"
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def deepspeed(*args, cwd: Path):
+    launcher = Path(sys.executable).with_name("deepspeed")
+    return subprocess.run([str(launcher), "--num_gpus", str(DEVICES), *map(str, args)], capture_output=True,
+                          text=True, cwd=cwd, env=accelerator_env(), timeout=900)
+
+
+def test_shrunk_gpu_recipe_trains_and_resumes(tmp_path):
+    full = deepspeed(REPO / "launch" / "train.py", "--deepspeed_config", shrunk_recipe(tmp_path / "full", 6),
+                     cwd=tmp_path)
+    assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "full" / "run")]
+    assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
+    # Stop after step 4, resume from `latest` to step 6: the same losses as the uninterrupted run.
+    config = shrunk_recipe(tmp_path / "part", 6)
+    first = deepspeed(REPO / "launch" / "train.py", "--deepspeed_config", config, "--train.steps", "4", cwd=tmp_path)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    resumed = deepspeed(REPO / "launch" / "train.py", "--deepspeed_config", config, "--checkpoint.load",
+                        str(tmp_path / "part" / "run" / "checkpoints"), cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "part" / "run")
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
+    assert loss_gap([m["loss"] for m in metrics[4:]], losses[4:]) <= BF16_LOSS_GAP  # bf16; kernels may differ run to run
+
+
+def test_verify_passes_a_converted_checkpoint(tmp_path):
+    hf_dir, out = tmp_path / "hf", tmp_path / "hybrid"
+    make_hf_llama(hf_dir, "gqa_llama3", num_hidden_layers=4)
+    tp = min(2, DEVICES)
+    subprocess.run([sys.executable, "-m", "hybrid3d.convert", "hf2hybrid", "--hf-model", hf_dir, "--out", out,
+                    "--tp", str(tp), "--pp", "1"], check=True, capture_output=True, env=accelerator_env())
+    result = deepspeed("--module", "hybrid3d.verify", "--hf-model", hf_dir, "--checkpoint", out, cwd=tmp_path)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "PASS" in result.stdout

@@ -1,0 +1,20 @@
+"""RoPE's inverse frequencies move with the module but never change dtype."""
+
+import torch
+
+from hybrid3d.model.rope import RotaryFrequencies, inverse_frequencies
+
+LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+          "original_max_position_embeddings": 64}
+
+
+def test_inverse_frequencies_stay_fp32_and_follow_the_device():
+    rotary = RotaryFrequencies(64, 500000.0, LLAMA3)
+    expected = inverse_frequencies(64, 500000.0, LLAMA3)
+    assert "inv_freq" in dict(rotary.named_buffers()) and "inv_freq" not in rotary.state_dict()  # not saved
+    rotary.bfloat16()
+    assert rotary.inv_freq.dtype == torch.float32 and torch.equal(rotary.inv_freq, expected)
+    module = torch.nn.Sequential(rotary).to(torch.float16)
+    assert module[0].inv_freq.dtype == torch.float32
+    module.to("meta")  # another device: the buffer goes with it
+    assert module[0].inv_freq.device.type == "meta" and module[0].inv_freq.dtype == torch.float32
