@@ -1,23 +1,28 @@
-"""The same small Llama, same batch, same steps, side by side in one spawned world:
+"""hybrid3d against the best peer at each layout, side by side in one spawned world per world size.
 
-(a) hybrid3d (`build_trainer`, Megatron-style TP layers, DeepSpeedEngine + mpu),
-(b) Hugging Face `LlamaForCausalLM` under plain DeepSpeed ZeRO data parallelism,
-(c) `LlamaForCausalLM` under DeepSpeed AutoTP (`"tensor_parallel": {"autotp_size": t}`) x ZeRO DP.
+Layouts and the peer each is measured against (same model, weights, token stream and global batch):
 
-Each system trains at the layouts it supports: DP (a, b) and TPxDP (a, c). All start from the same
-weights (hybrid3d loads the HF state dict) and see the same token stream. Reported per system and
-layout: tokens/s (median over the timed steps of every repeat; repeats run round-robin), its ratio
-to hybrid3d at the same layout (median of the per-repeat ratios), model-state bytes
-(`hybrid3d.memory_probe`) and peak RSS.
+    DP2, DP4           Hugging Face `LlamaForCausalLM` under DeepSpeed ZeRO (same stage)
+    TP2, TP2xDP2       `LlamaForCausalLM` under DeepSpeed AutoTP (`tensor_parallel.autotp_size`) x ZeRO
+    PP2xDP2, TP2xPP2   `LlamaForCausalLM` under DeepSpeed ZeRO at DP over the same ranks (DP4)
+
+and a single-process plain PyTorch row (HF model + torch AdamW, no DeepSpeed, all cores) as the
+no-framework reference. fp32 and bf16 (fp32 masters; plain PyTorch uses bf16 autocast).
+
+Repeats run round-robin over every (system, layout, precision) of a world; reported per row: tokens/s
+(median over the timed steps of every repeat), the ratio to the peer at that layout as the median of
+per-repeat ratios and its range, the overhead against plain PyTorch, model-state bytes and peak RSS.
 
     python benchmarks/vs_peers.py --quick
 """
 
 import argparse
 import gc
+import json
 import os
 import sys
 import tempfile
+import time
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +34,7 @@ from common import (  # noqa: E402
     environment_markdown,
     median,
     peak_rss,
+    random_batches,
     reset_peak_rss,
     results_dir,
     run_world,
@@ -38,14 +44,21 @@ from common import (  # noqa: E402
 MODEL = dict(vocab_size=4096, hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False)
 REDUCE_BUCKET = 4_000_000  # elements, for every system (DeepSpeed's default 5e8 would dominate these sizes)
-SYSTEMS = {"hybrid3d": ("DP", "TP"), "hf-deepspeed": ("DP",), "hf-autotp": ("TP",)}
+
+# layout name -> (world, tp, pp, peer system); the peer runs at (tp, pp=1) for TP, at DP=world for PP.
+LAYOUTS = {
+    "DP2": (2, 1, 1, "hf-deepspeed"), "TP2": (2, 2, 1, "hf-autotp"),
+    "DP4": (4, 1, 1, "hf-deepspeed"), "TP2xDP2": (4, 2, 1, "hf-autotp"),
+    "PP2xDP2": (4, 1, 2, "hf-deepspeed"), "TP2xPP2": (4, 2, 2, "hf-deepspeed"),
+}
+PRECISIONS = ("fp32", "bf16")
 
 
-def ds_config(args, dp: int, extra: dict) -> dict:
+def ds_config(args, precision: str, extra: dict) -> dict:
     config = {
         "train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "gradient_clipping": 1.0, "bf16": {"enabled": True},
+        "gradient_clipping": 1.0, "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": {"stage": args.zero, "reduce_bucket_size": REDUCE_BUCKET,
                               "allgather_bucket_size": REDUCE_BUCKET},
         "steps_per_print": 10**9,
@@ -54,8 +67,8 @@ def ds_config(args, dp: int, extra: dict) -> dict:
     return config
 
 
-def build(system: str, tp: int, args, hf_model_dir: str):
-    """(engine, loss(ids, targets) -> scalar, data-parallel rank)."""
+def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str):
+    """(engine, step(batches) -> loss, data-parallel rank)."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import groups
@@ -69,99 +82,164 @@ def build(system: str, tp: int, args, hf_model_dir: str):
         from hybrid3d.model import LlamaShape
         from hybrid3d.training.trainer import build_trainer
 
-        config = ds_config(args, world // tp, {"hybrid3d": {"tensor_parallel_size": tp}})
+        config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}})
         trainer = build_trainer(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
-        module = trainer.module
-        return trainer.engine, lambda ids, t: module.loss_fn(trainer.engine(ids), t), \
-            trainer.groups.get_data_parallel_rank()
+        return trainer.engine, trainer.train_step, trainer.groups.get_data_parallel_rank()
     extra = {"tensor_parallel": {"autotp_size": tp}} if system == "hf-autotp" else {}
     engine, _, _, _ = deepspeed.initialize(model=hf, model_parameters=hf.parameters(),
-                                           config=ds_config(args, world // tp, extra))
+                                           config=ds_config(args, precision, extra))
 
-    def loss(ids, targets):
-        logits = engine(input_ids=ids).logits
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-    return engine, loss, dist.get_rank() // tp  # AutoTP's mesh: rank = data x t + tensor
-
-
-def run_system(system: str, tp: int, args, hf_model_dir: str) -> dict:
-    import deepspeed.comm as dist
-
-    from hybrid3d.ds_internals.memory_probe import PeakProbe
-
-    gc.collect()
-    reset_peak_rss()
-    engine, loss_fn, dp_rank = build(system, tp, args, hf_model_dir)
-    probe = PeakProbe(engine)
-    generator = torch.Generator().manual_seed(dp_rank)
-    gas = engine.gradient_accumulation_steps()
-
-    def step():
-        for _ in range(gas):
-            tokens = torch.randint(0, MODEL["vocab_size"], (args.micro_batch, args.seq_length + 1),
-                                   generator=generator)
-            loss = loss_fn(tokens[:, :-1], tokens[:, 1:])
+    def step(batches):
+        for _ in range(engine.gradient_accumulation_steps()):
+            ids, targets = next(batches)
+            logits = engine(input_ids=ids).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             engine.backward(loss)
             engine.step()
         return loss.item()
 
-    step()
+    return engine, step, dist.get_rank() // tp  # AutoTP's mesh: rank = data x t + tensor
+
+
+def run_system(system: str, layout: str, precision: str, args, hf_model_dir: str) -> dict:
+    import deepspeed.comm as dist
+
+    from hybrid3d.ds_internals.memory_probe import PeakProbe
+
+    _, tp, pp, _ = LAYOUTS[layout]
+    if system != "hybrid3d":  # the peer's own layout at this world size
+        pp = 1
+        tp = tp if system == "hf-autotp" else 1
+    gc.collect()
+    reset_peak_rss()
+    engine, step, dp_rank = build(system, tp, pp, precision, args, hf_model_dir)
+    probe = PeakProbe(engine)
+    batches = random_batches(MODEL["vocab_size"], args.micro_batch, args.seq_length, seed=dp_rank)
+    step(batches)
     probe.enabled = True
-    step()
+    step(batches)
     probe.enabled = False
-    times = [timed(step, dist.barrier) for _ in range(args.steps)]
+    times = [timed(lambda: step(batches), dist.barrier) for _ in range(args.steps)]
     result = {"step_times": times, "states": probe.peak().model_states, "wrapper": type(engine.optimizer).__name__,
-              "last_loss": step()}
+              "last_loss": step(batches)}
     dist.barrier()
-    del engine, probe
+    del engine, probe, step
     gc.collect()
     result["rss_peak"] = peak_rss()
     return result
 
 
+def world_runs(world: int, args) -> list[tuple[str, str, str]]:
+    """(system, layout, precision) measured in the world of this size, hybrid3d next to its peer.
+    A peer row shared by two layouts (HF + ZeRO at DP4 for DP4 and the PP layouts) runs once."""
+    runs = []
+    for precision in args.precisions:
+        for layout, (size, _, _, peer) in LAYOUTS.items():
+            if size != world or layout not in args.layouts:
+                continue
+            runs.append(("hybrid3d", layout, precision))
+            peer_layout = peer_layout_of(layout)
+            if (peer, peer_layout, precision) not in runs:
+                runs.append((peer, peer_layout, precision))
+    return runs
+
+
+def peer_layout_of(layout: str) -> str:
+    world, tp, pp, peer = LAYOUTS[layout]
+    return layout if pp == 1 else f"DP{world}"
+
+
 def world_main(rank, world_size, runs, args, hf_model_dir):
     out = {}
     for _ in range(args.repeats):
-        for system, tp in runs:
-            result = run_system(system, tp, args, hf_model_dir)
-            entry = out.setdefault(f"{system}@TP{tp}", {**result, "repeat_medians": []})
+        for system, layout, precision in runs:
+            result = run_system(system, layout, precision, args, hf_model_dir)
+            entry = out.setdefault(f"{system}@{layout}@{precision}", {**result, "repeat_medians": []})
             entry["repeat_medians"].append(median(result["step_times"]))
             entry["rss_peak"] = max(entry["rss_peak"], result["rss_peak"])
     return out
 
 
-def write_report(out_dir, runs, results, args, command):
+def plain_pytorch(args, hf_model_dir: str, precision: str, steps: int) -> list[float]:
+    """Step times of HF + torch AdamW in this process (all cores), global batch by accumulation."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    batches = random_batches(MODEL["vocab_size"], args.micro_batch, args.seq_length, seed=0)
+    micro_steps = args.global_batch // args.micro_batch
+
+    def step():
+        for _ in range(micro_steps):
+            ids, targets = next(batches)
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                logits = model(input_ids=ids).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / micro_steps
+            loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def rows(results_by_world: dict, plain: dict, args) -> list[dict]:
     tokens = args.global_batch * args.seq_length
-    lines = ["| system | layout | optimizer wrapper | tokens/s | vs hybrid3d (median of per-repeat ratios) | "
-             "model states MiB (max rank) | peak RSS MiB (max rank) | final loss |",
-             "|---|---|---|---|---|---|---|---|"]
-    for system, tp in runs:
-        key = f"{system}@TP{tp}"
-        r0 = results[0][key]
-        base = results[0][f"hybrid3d@TP{tp}"]["repeat_medians"]
-        ratios = [b / m for m, b in zip(r0["repeat_medians"], base)]
-        layout = f"TP{tp}xDP{args.world // tp}" if tp > 1 else f"DP{args.world}"
-        lines.append(f"| {system} | {layout} | {r0['wrapper']} | {tokens / median(r0['repeat_medians']):.0f} | "
-                     f"{median(ratios):.2f} (range {min(ratios):.2f}-{max(ratios):.2f}) | "
-                     f"{max(r[key]['states'] for r in results) / 2**20:.2f} | "
-                     f"{max(r[key]['rss_peak'] for r in results) / 2**20:.0f} | {r0['last_loss']:.4f} |")
-    table = "\n".join(lines)
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "vs_peers.md"), "w") as f:
-        f.write("\n".join(["# hybrid3d vs peers", "", environment_markdown(environment(), command), "",
-                           f"Model: {MODEL}; bf16, ZeRO-{args.zero}, global batch {args.global_batch} x "
-                           f"{args.seq_length} tokens, micro-batch {args.micro_batch}; {args.steps} timed steps x "
-                           f"{args.repeats} repeats.", "", table, ""]))
-    return table
+    out = []
+    for precision in args.precisions:
+        plain_tps = tokens / median(plain[precision])
+        out.append({"system": "plain PyTorch (1 process)", "layout": "1 process", "precision": precision,
+                    "tokens_per_s": plain_tps, "wrapper": "torch.optim.AdamW"})
+        for layout, (world, _, _, peer) in LAYOUTS.items():
+            if layout not in args.layouts:
+                continue
+            ranks = results_by_world[world]
+            key = f"hybrid3d@{layout}@{precision}"
+            peer_key = f"{peer}@{peer_layout_of(layout)}@{precision}"
+            for system, k in (("hybrid3d", key), (peer, peer_key)):
+                r0 = ranks[0][k]
+                peer_medians = ranks[0][peer_key]["repeat_medians"]
+                ratios = [p / m for m, p in zip(r0["repeat_medians"], peer_medians)]  # tokens/s vs the peer
+                tps = tokens / median(r0["repeat_medians"])
+                out.append({"system": system, "layout": layout if system == "hybrid3d" else peer_layout_of(layout),
+                            "for_layout": layout, "precision": precision, "wrapper": r0["wrapper"],
+                            "tokens_per_s": tps, "vs_peer": median(ratios), "vs_peer_range": (min(ratios), max(ratios)),
+                            "vs_plain": tps / plain_tps, "step_s": median(r0["repeat_medians"]),
+                            "states_mib": max(r[k]["states"] for r in ranks) / 2**20,
+                            "rss_mib": max(r[k]["rss_peak"] for r in ranks) / 2**20, "last_loss": r0["last_loss"]})
+    return out
+
+
+def table(all_rows: list[dict]) -> str:
+    lines = ["| precision | layout | system | optimizer wrapper | tokens/s | vs peer (median of per-repeat ratios) "
+             "| vs plain PyTorch | model states MiB (max rank) | peak RSS MiB (max rank) | final loss |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in all_rows:
+        if "vs_peer" not in r:
+            lines.append(f"| {r['precision']} | {r['layout']} | {r['system']} | {r['wrapper']} | "
+                         f"{r['tokens_per_s']:.0f} | | 1.00 | | | |")
+            continue
+        low, high = r["vs_peer_range"]
+        layout = r["for_layout"] if r["system"] == "hybrid3d" else f"{r['for_layout']} (peer at {r['layout']})"
+        lines.append(f"| {r['precision']} | {layout} | {r['system']} | {r['wrapper']} | {r['tokens_per_s']:.0f} | "
+                     f"{r['vs_peer']:.2f} ({low:.2f}-{high:.2f}) | {r['vs_plain']:.2f} | {r['states_mib']:.2f} | "
+                     f"{r['rss_mib']:.0f} | {r['last_loss']:.4f} |")
+    return "\n".join(lines)
 
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="2 repeats x 3 timed steps")
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--tp", type=int, default=2, help="TP degree for hybrid3d and AutoTP")
-    parser.add_argument("--zero", type=int, default=1, choices=(0, 1, 2))
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    parser.add_argument("--zero", type=int, default=1, choices=(0, 1))
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
@@ -171,17 +249,35 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 2
-    runs = [(s, 1) for s, kinds in SYSTEMS.items() if "DP" in kinds] + \
-           [(s, args.tp) for s, kinds in SYSTEMS.items() if "TP" in kinds]
     command = "python benchmarks/vs_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    results_by_world = {}
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
-        LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(os.path.join(tmp, "model"))
-        results = run_world(world_main, args.world, os.path.join(tmp, "ranks"), runs, args, os.path.join(tmp, "model"))
+        model_dir = os.path.join(tmp, "model")
+        LlamaForCausalLM(LlamaConfig(**MODEL)).save_pretrained(model_dir)
+        for world in sorted({LAYOUTS[layout][0] for layout in args.layouts}):
+            runs = world_runs(world, args)
+            results_by_world[world] = run_world(world_main, world, os.path.join(tmp, f"ranks{world}"), runs, args,
+                                                model_dir)
+        plain = {p: plain_pytorch(args, model_dir, p, args.steps * args.repeats) for p in args.precisions}
+    all_rows = rows(results_by_world, plain, args)
+    env = environment()
+    text = table(all_rows)
     out_dir = results_dir(args.out)
-    print(write_report(out_dir, runs, results, args, command))
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "vs_peers.md"), "w") as f:
+        f.write("\n".join([
+            "# hybrid3d vs peers", "", environment_markdown(env, command), "",
+            f"Model: {MODEL}; ZeRO-{args.zero}, global batch {args.global_batch} x {args.seq_length} tokens, "
+            f"micro-batch {args.micro_batch}; {args.steps} timed steps x {args.repeats} interleaved repeats. "
+            "'vs peer' is the peer's step time over hybrid3d's (> 1: hybrid3d is faster); the PP layouts' "
+            "peer is HF + ZeRO over the same ranks as pure DP. 'vs plain PyTorch' is tokens/s over one "
+            "process's on the same cores.", "", text, ""]))
+    with open(os.path.join(out_dir, "vs_peers.json"), "w") as f:
+        json.dump({"rows": all_rows, "environment": env, "command": command}, f, indent=1)
+    print(text)
     print(f"results in {out_dir}")
 
 

@@ -14,8 +14,20 @@ of Ψ then an all-gather of the Ψ/Nd updated partition; ZeRO-2 an all-reduce of
 (it reduces during every backward) plus the all-gather — it all-reduces where the paper reduce-scatters.
 bf16 ZeRO-0 with a pipeline (BF16_Optimizer, master sharded over DP) also all-gathers.
 
-Pipeline (Narayanan et al. 2021): each stage boundary carries b·s·h activations forward and their
-gradients backward per micro-batch, split over the t ranks of a TP group (DeepSpeed's partitioned sends).
+Pipeline (Narayanan et al. 2021, §3.2; DeepSpeed 0.19.8 `runtime/pipe/engine.py`, 1F1B `TrainSchedule`): per
+micro-batch each stage boundary carries the (b, s, h) activation forward (`_exec_send_activations` ->
+`_exec_recv_activations`) and its gradient backward (`_exec_send_grads` -> `_exec_recv_grads`), in the
+activation dtype. With pipe/grad partitioning (`"pipeline": {"pipe_partitioned", "grad_partitioned"}`,
+both true by default and active only when t > 1: `PipelineEngine.__init__` sets `is_pipe_partitioned =
+is_model_parallel and ...`) each TP rank sends its 1/t slice plus a (t + 7)-element int64 meta tensor
+(left out here), the scatter/gather of Narayanan et al. 2021, §4.1. The slices are re-assembled by an
+all-gather over the TP group (`runtime/utils.py: PartitionedTensor.full`), the "pipeline all-gather":
+  - the receiving stage gathers its input before its forward (`_exec_forward_pass`);
+  - the sending stage gathers its own output back (it freed it after the send) before the backward
+    (`_exec_backward_pass`; `_exec_recv_grads` when only activations are partitioned);
+  - the sending stage gathers the gradient it received (`_exec_backward_pass`, grad_partitioned only).
+So a stage with both neighbours logs 3 all-gathers of b·s·h/t per micro-batch, the first 2, the last 1:
+as measured in benchmarks/results/2026-11-30-vm/rows.csv (S-TP2xPP2: `pp_gather` 262144 / 131072 bytes).
 """
 
 from hybrid3d.model.config import LlamaShape
@@ -63,11 +75,55 @@ def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, 
     return reduce + gather
 
 
+def pp_message_bytes(shape: LlamaShape, b: int, s: int, tp: int, act_bytes: int = 2,
+                     partitioned: bool = True) -> int:
+    """One activation or gradient message of one rank at a stage boundary: (b, s, h), or its 1/t slice
+    (b·s·h/t elements, h is a multiple of t) when partitioned and t > 1."""
+    elements = b * s * shape.hidden_size
+    return (elements // tp if partitioned and tp > 1 else elements) * act_bytes
+
+
+def _check_partitioning(pipe_partitioned: bool, grad_partitioned: bool) -> None:
+    # hybrid3d's stages pass one tensor; for an unpartitioned output `_exec_recv_grads` posts one full-size
+    # receive, while `_exec_send_grads` with grad_partitioned sends (meta, slice): the pair does not match.
+    if grad_partitioned and not pipe_partitioned:
+        raise ValueError("grad_partitioned without pipe_partitioned is not modelled (DeepSpeed 0.19.8 "
+                         "partitions the gradients of partitioned activations only)")
+
+
+def pipe_boundaries(pp: int, stage: int) -> int:
+    """Neighbouring stages of `stage`: 0 without a pipeline, 1 for the first and last, else 2."""
+    return (stage > 0) + (stage < pp - 1) if pp > 1 else 0
+
+
+def pp_boundary_bytes(shape: LlamaShape, b: int, s: int, tp: int, act_bytes: int = 2,
+                      pipe_partitioned: bool = True, grad_partitioned: bool = True) -> int:
+    """Bytes one rank exchanges with one neighbouring stage per micro-batch: the activation one way and
+    its gradient the other (one sent, one received)."""
+    _check_partitioning(pipe_partitioned, grad_partitioned)
+    return (pp_message_bytes(shape, b, s, tp, act_bytes, pipe_partitioned)
+            + pp_message_bytes(shape, b, s, tp, act_bytes, grad_partitioned))
+
+
 def pp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
-                      act_bytes: int = 2) -> int:
-    """Logged send + recv bytes of one rank per step: activations out and gradients back at each of
-    the stage's boundaries, 1/t of b·s·h per TP rank."""
-    if pp == 1:
+                      act_bytes: int = 2, pipe_partitioned: bool = True, grad_partitioned: bool = True) -> int:
+    """Logged send + recv bytes of one rank per step (meta tensors left out): at each of the stage's
+    boundaries, per micro-batch, the activation and its gradient, each 1/t of b·s·h when partitioned."""
+    boundary = pp_boundary_bytes(shape, b, s, tp, act_bytes, pipe_partitioned, grad_partitioned)
+    return gas * pipe_boundaries(pp, stage) * boundary
+
+
+def pp_gather_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
+                             act_bytes: int = 2, pipe_partitioned: bool = True,
+                             grad_partitioned: bool = True) -> int:
+    """Logged pipeline all-gather bytes (the input slice, b·s·h/t) of one TP rank of `stage` per step:
+    the stage's input and its own output when activations are partitioned, the received gradient when
+    gradients are (see the module docstring). 0 without a pipeline or without TP."""
+    _check_partitioning(pipe_partitioned, grad_partitioned)
+    if pp == 1 or tp == 1:
         return 0
-    boundaries = (stage > 0) + (stage < pp - 1)
-    return gas * boundaries * 2 * b * s * shape.hidden_size * act_bytes // tp
+    slice_bytes = pp_message_bytes(shape, b, s, tp, act_bytes)
+    sender = stage < pp - 1
+    gathers = pipe_boundaries(pp, stage) if pipe_partitioned else 0  # input (receiver), output (sender)
+    gathers += 1 if grad_partitioned and sender else 0  # the gradient from the next stage
+    return gas * gathers * slice_bytes

@@ -46,6 +46,7 @@ def test_cli_prints_a_table(capsys):
     assert main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-memory", "24", "--seq-length", "2048"]) == 0
     out = capsys.readouterr().out
     assert "rel.time" in out and "refused:" in out
+    assert "pp comm" in out and "pipeline traffic" in out
 
 
 @pytest.mark.parametrize("argv", [
