@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
 python -m pip install --quiet -e .
-exec deepspeed --num_gpus 4 launch/train.py --deepspeed_config ds_configs/cpu_demo.json "$@"
+export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # the CPU demo; also spares each rank the detection warning
+exec deepspeed --log_level error --num_gpus 4 launch/train.py --deepspeed_config ds_configs/cpu_demo.json "$@"

@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
+from hybrid3d.parallel.threads import threads_per_rank, usable_cores
 
 
 def free_port() -> int:
@@ -25,7 +26,7 @@ def _rank_entry(rank, fn, world_size, port, result_dir, args):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(threads_per_rank(world_size, usable_cores()))
     import deepspeed
     import deepspeed.comm as dist
 

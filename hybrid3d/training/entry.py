@@ -35,6 +35,7 @@ def parse_args(argv):
                "--checkpoint.load latest --zero_optimization.stage 1")
     parser.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a \"hybrid3d\" section")
     parser.add_argument("--eval-only", action="store_true", help="load checkpoint.load, evaluate, print, exit")
+    parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own log lines and prints")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
     return args, parse_override_args(rest)
@@ -55,6 +56,7 @@ class Job:
     plan: ResumePlan | None
     hf_weights: HFSource | None
     override_log: list
+    verbose: bool = False
 
 
 def prepare(args, overrides, world_size: int) -> Job:
@@ -98,7 +100,8 @@ def prepare(args, overrides, world_size: int) -> Job:
         missing = sorted(names - set(hf_weights))
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
-    return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log)
+    return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log,
+               verbose=args.verbose)
 
 
 def main(argv=None) -> int:

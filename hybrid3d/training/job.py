@@ -22,6 +22,8 @@ from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
+from hybrid3d.parallel.threads import local_ranks, set_cpu_threads
+from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
 from hybrid3d.training.metrics import MetricsLogger, info
 from hybrid3d.training.trainer import build_trainer
 from hybrid3d.training.rng import restore_rng, rng_state
@@ -114,12 +116,17 @@ def run_job(job, eval_only: bool, rank: int) -> int:
 
 def _run_job(job, eval_only: bool, rank: int) -> int:
     hybrid, layout = job.hybrid, job.layout
+    set_deepspeed_verbosity(job.verbose)
+    threads = set_cpu_threads(local_ranks()) if get_accelerator().device_name() == "cpu" else None
     # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
     # timeout is a backstop behind it, so the clearer message wins.
-    deepspeed.init_distributed(timeout=timedelta(seconds=2 * hybrid.timeout_seconds))
+    with deepspeed_prints(job.verbose):
+        deepspeed.init_distributed(timeout=timedelta(seconds=2 * hybrid.timeout_seconds))
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)
+    if threads:
+        info(threads, is_rank0)
 
     source = job.source
     data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizer, source.tokenizer_dir,
@@ -133,7 +140,8 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
 
     if job.plan is not None and not job.plan.module_only:
         verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())
-    trainer = build_trainer(config, job.shape, hf_state_dict=job.hf_weights)
+    with deepspeed_prints(job.verbose):
+        trainer = build_trainer(config, job.shape, hf_state_dict=job.hf_weights)
     config = trainer.config
     step, client = 0, {}
     if job.plan is not None:
