@@ -32,7 +32,8 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import CALLER_CLASSES, environment, environment_markdown, random_batches, results_dir, run_world  # noqa: E402
+from common import (CALLER_CLASSES, environment, environment_markdown, random_batches, require_matplotlib,  # noqa: E402
+                    results_dir, run_world)
 from vs_peers import LAYOUTS, MODEL, PRECISIONS, build, peer_layout_of  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
@@ -160,10 +161,7 @@ def main(argv=None):
     parser.add_argument("--no-peers", action="store_true", help="hybrid3d only")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        parser.exit(2, "error: the chart needs matplotlib: pip install -e '.[bench]'\n")
+    require_matplotlib(parser)
     command = "python benchmarks/breakdown.py " + " ".join(sys.argv[1:] if argv is None else argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 

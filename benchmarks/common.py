@@ -46,6 +46,14 @@ def classify_comms(comms_dict: dict) -> tuple[dict, dict]:
     return by_class, by_caller
 
 
+def require_matplotlib(parser) -> None:
+    """Exit 2 with one line before any measurement when the charts cannot be drawn."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        parser.exit(2, "error: this benchmark draws charts with matplotlib: pip install -e '.[bench]'\n")
+
+
 def reset_peak_rss() -> int:
     """Reset the kernel's peak-RSS mark of this process (Linux clear_refs 5); returns the RSS in bytes."""
     with open("/proc/self/clear_refs", "w") as f:

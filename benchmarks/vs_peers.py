@@ -54,9 +54,9 @@ LAYOUTS = {
 PRECISIONS = ("fp32", "bf16")
 
 
-def ds_config(args, precision: str, extra: dict) -> dict:
+def ds_config(args, precision: str, extra: dict, batch_scale: int = 1) -> dict:
     config = {
-        "train_batch_size": args.global_batch, "train_micro_batch_size_per_gpu": args.micro_batch,
+        "train_batch_size": args.global_batch * batch_scale, "train_micro_batch_size_per_gpu": args.micro_batch,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
         "gradient_clipping": 1.0, "bf16": {"enabled": precision == "bf16"},
         "zero_optimization": {"stage": args.zero, "reduce_bucket_size": REDUCE_BUCKET,
@@ -68,7 +68,8 @@ def ds_config(args, precision: str, extra: dict) -> dict:
 
 
 def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str):
-    """(engine, step(batches) -> loss, data-parallel rank)."""
+    """(engine, step(batches) -> loss, data-parallel rank). Each system must process `args.global_batch`
+    sequences per step; that is checked from the engine's own micro-batch, GAS and DP size."""
     import deepspeed
     import deepspeed.comm as dist
     from deepspeed.utils import groups
@@ -84,10 +85,15 @@ def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str
 
         config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}})
         trainer = build_trainer(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
+        check_sequences_per_step(system, trainer.engine, trainer.layout.dp, args.global_batch)
         return trainer.engine, trainer.train_step, trainer.groups.get_data_parallel_rank()
     extra = {"tensor_parallel": {"autotp_size": tp}} if system == "hf-autotp" else {}
+    # Without an mpu DeepSpeed's batch arithmetic takes every rank for a data-parallel replica
+    # (runtime/config.py: world_size = dist.get_world_size()), TP ranks included: AutoTP asked for
+    # train_batch_size B runs B/t sequences per step. Asking for B·t makes it run B, like the others.
     engine, _, _, _ = deepspeed.initialize(model=hf, model_parameters=hf.parameters(),
-                                           config=ds_config(args, precision, extra))
+                                           config=ds_config(args, precision, extra, batch_scale=tp))
+    check_sequences_per_step(system, engine, world // tp, args.global_batch)
 
     def step(batches):
         for _ in range(engine.gradient_accumulation_steps()):
@@ -99,6 +105,13 @@ def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str
         return loss.item()
 
     return engine, step, dist.get_rank() // tp  # AutoTP's mesh: rank = data x t + tensor
+
+
+def check_sequences_per_step(system: str, engine, dp: int, expected: int) -> None:
+    """The sequences one optimizer step really consumes: micro-batch x GAS x data-parallel replicas."""
+    real = engine.train_micro_batch_size_per_gpu() * engine.gradient_accumulation_steps() * dp
+    if real != expected:
+        raise RuntimeError(f"{system} would process {real} sequences per step, not {expected}")
 
 
 def run_system(system: str, layout: str, precision: str, args, hf_model_dir: str) -> dict:

@@ -30,6 +30,7 @@ from common import (  # noqa: E402
     median,
     peak_rss,
     random_batches,
+    require_matplotlib,
     reset_peak_rss,
     results_dir,
     run_world,
@@ -153,6 +154,7 @@ def parse_args(argv=None):
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
+    require_matplotlib(parser)
     if args.quick:
         args.steps, args.repeats = 3, 2
     args.sizes = [s for s in args.sizes.split(",") if s]

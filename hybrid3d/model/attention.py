@@ -14,11 +14,12 @@ from torch import nn
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import COLUMN, block_kind, kv_heads_per_rank
-from hybrid3d.model.rope import RotaryFrequencies, apply_rope, rope_cos_sin
+from hybrid3d.model.rope import RotaryFrequencies, apply_rope
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelGroup,
+    column_parallel_linears,
     copy_to_tp_region,
     tensor_parallel_rng,
 )
@@ -39,10 +40,9 @@ class ReplicatedKVProjection(nn.Module):
         self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
         init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
 
-    def forward(self, x):  # (b, s, h) -> (b, s, d)
+    def head_rows(self):  # (d, h): the rows of this rank's kv head, a view autograd tracks
         weight = copy_to_tp_region(self.weight, self.tp)  # backward: sum the row-sparse grads over TP
-        rows = weight[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
-        return F.linear(x, rows)
+        return weight[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
 
 
 class Attention(nn.Module):
@@ -57,11 +57,11 @@ class Attention(nn.Module):
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
-        # q/k/v share one f operator (applied in forward): one input-grad all-reduce per block.
-        self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, copy_input=False, init_method=init, **kw)
-        if block_kind("self_attn.k_proj.weight", shape, tp.size) == COLUMN:
-            self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
-            self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, copy_input=False, init_method=init, **kw)
+        self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, init_method=init, **kw)
+        self.kv_replicated = block_kind("self_attn.k_proj.weight", shape, tp.size) != COLUMN
+        if not self.kv_replicated:
+            self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, init_method=init, **kw)
+            self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, init_method=init, **kw)
         else:
             self.k_proj = ReplicatedKVProjection(shape, tp, **kw)
             self.v_proj = ReplicatedKVProjection(shape, tp, **kw)
@@ -69,11 +69,16 @@ class Attention(nn.Module):
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
         b, s, _ = x.shape
-        x = copy_to_tp_region(x, self.tp)
-        q = self.q_proj(x).view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, a/t, s, d)
-        k = self.k_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/t, s, d)
-        v = self.v_proj(x).view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = rope_cos_sin(self.rotary.inv_freq, s, x.device, x.dtype)
+        if self.kv_replicated:
+            kv_weights = [self.k_proj.head_rows(), self.v_proj.head_rows()]
+        else:
+            kv_weights = [self.k_proj.weight, self.v_proj.weight]
+        # q/k/v share one input-gradient all-reduce, overlapped with their weight gradients
+        q, k, v = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)
+        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, a/t, s, d)
+        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/t, s, d)
+        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
+        cos, sin = self.rotary.cos_sin(s, x.device, x.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads differ per TP rank, so must their dropout masks

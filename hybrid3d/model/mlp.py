@@ -8,7 +8,7 @@ from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelGroup,
-    copy_to_tp_region,
+    column_parallel_linears,
 )
 from hybrid3d.parallel.tensor_parallel.layers import normal_init
 
@@ -20,10 +20,11 @@ class SwiGLU(nn.Module):
         h, f = shape.hidden_size, shape.intermediate_size
         init = normal_init(shape.initializer_range)
         kw = dict(device=device, dtype=dtype, init_method=init)
-        self.gate_proj = ColumnParallelLinear(h, f, tp, copy_input=False, **kw)
-        self.up_proj = ColumnParallelLinear(h, f, tp, copy_input=False, **kw)
+        self.gate_proj = ColumnParallelLinear(h, f, tp, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.down_proj = RowParallelLinear(f, h, tp, input_is_parallel=True, **kw)
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
-        x = copy_to_tp_region(x, self.tp)
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # inner: (b, s, f/t)
+        # gate and up share one input-gradient all-reduce, overlapped with their weight gradients
+        gate, up = column_parallel_linears(x, [self.gate_proj.weight, self.up_proj.weight], self.tp)  # (b, s, f/t)
+        return self.down_proj(F.silu(gate) * up)

@@ -35,17 +35,29 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict | None = None
 class RotaryFrequencies(nn.Module):
     """The inverse frequencies as a non-persistent buffer: it moves with the module (`.to(device)`),
     so no layer copies it to the device in every forward, but it stays fp32 under `.bfloat16()` /
-    `.to(dtype)`, which would round the frequencies (DeepSpeed casts the whole module for bf16)."""
+    `.to(dtype)`, which would round the frequencies (DeepSpeed casts the whole module for bf16).
+
+    `cos_sin` keeps the tables of the last (sequence length, device, dtype) it was asked for: every
+    micro-batch of a run has the same length, so they are computed once per layer, not per forward."""
 
     def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
         self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
+        self._tables = None  # ((seq_len, device, dtype), (cos, sin))
 
     def _apply(self, fn, recurse=True):
         fp32 = self.inv_freq
         super()._apply(fn, recurse)
         self.inv_freq = fp32.to(self.inv_freq.device)  # the new device, the old (fp32) values
+        self._tables = None
         return self
+
+    def cos_sin(self, seq_len: int, device, dtype):
+        """`rope_cos_sin` of this module's frequencies, (s, head_dim) each, cached for the last key."""
+        key = (seq_len, torch.device(device), dtype)
+        if self._tables is None or self._tables[0] != key:
+            self._tables = (key, rope_cos_sin(self.inv_freq, seq_len, device, dtype))
+        return self._tables[1]
 
 
 def rope_cos_sin(inv_freq: torch.Tensor, seq_len: int, device, dtype):

@@ -54,7 +54,7 @@ def tp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage
     backward = 2 * layers * bsh
     if stage == pp - 1:
         backward += bsh  # LM head input gradient (f)
-        forward += 3 * b * s * 4  # cross entropy: max, target logit, sum of exps (fp32)
+        forward += 3 * b * s * 4  # cross entropy (fp32): the max, then target logit and sum of exps in one
     if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v: their weight gradients are summed
         backward += layers * 2 * shape.num_kv_heads * shape.head_dim * h * act_bytes
     per_micro = forward * (2 if recompute else 1) + backward

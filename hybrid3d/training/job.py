@@ -18,6 +18,7 @@ from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
 from hybrid3d.checkpoint.universal import convert_to_universal
 from hybrid3d.data import build_training_data, micro_batches
+from hybrid3d.data.baseline import unigram_entropy
 from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
@@ -202,6 +203,11 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         return saves.save(at_step)
 
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
+    baseline = unigram_entropy(data.train.tokens) if is_rank0 else None
+    if is_rank0:
+        info(f"unigram entropy of the training tokens: {baseline:.3f} nats (the loss of a model that knows only "
+             "token frequencies)", is_rank0)
+    last_eval = None
     while step < hybrid.train.steps:
         watchdog.beat(f"step {step + 1}")
         started = time.perf_counter()
@@ -222,7 +228,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         eval_loss = None
         if evals.due(step):
             watchdog.beat(f"the evaluation at step {step}")
-            eval_loss = evaluate(trainer, data, job, dp_rank)
+            eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None)
         if saves.due(step):
@@ -233,5 +239,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
             return 0
     path = save(step)
+    if last_eval is not None and is_rank0:
+        info(f"last eval loss {last_eval:.4f}: {baseline - last_eval:.3f} nats below the unigram entropy "
+             f"{baseline:.3f}", is_rank0)
     info(f"done: {step} steps; checkpoint {path}; metrics {job.output_dir / 'metrics.jsonl'}", is_rank0)
     return 0

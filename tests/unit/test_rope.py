@@ -2,7 +2,7 @@
 
 import torch
 
-from hybrid3d.model.rope import RotaryFrequencies, inverse_frequencies
+from hybrid3d.model.rope import RotaryFrequencies, inverse_frequencies, rope_cos_sin
 
 LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
           "original_max_position_embeddings": 64}
@@ -18,3 +18,16 @@ def test_inverse_frequencies_stay_fp32_and_follow_the_device():
     assert module[0].inv_freq.dtype == torch.float32
     module.to("meta")  # another device: the buffer goes with it
     assert module[0].inv_freq.device.type == "meta" and module[0].inv_freq.dtype == torch.float32
+
+
+def test_cos_sin_tables_are_cached_per_length_device_and_dtype():
+    rotary = RotaryFrequencies(16, 10000.0)
+    cos, sin = rotary.cos_sin(8, "cpu", torch.float32)
+    expected = rope_cos_sin(rotary.inv_freq, 8, "cpu", torch.float32)
+    assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
+    assert rotary.cos_sin(8, "cpu", torch.float32)[0] is cos  # the same tables, not recomputed
+    assert rotary.cos_sin(8, "cpu", torch.bfloat16)[0].dtype == torch.bfloat16
+    longer = rotary.cos_sin(12, "cpu", torch.float32)[0]
+    assert longer.shape == (12, 16) and torch.equal(longer[:8], cos)
+    rotary.to(torch.float64)  # moving or casting the module drops the tables
+    assert rotary._tables is None

@@ -1,5 +1,6 @@
 """Megatron-style tensor parallelism on the grid's slice (TP) group."""
 
+from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.cross_entropy import IGNORE_INDEX, mean_token_loss, vocab_parallel_cross_entropy
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import (
@@ -19,6 +20,7 @@ from hybrid3d.parallel.tensor_parallel.random import seed_tensor_parallel_rng, t
 
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelGroup", "VocabParallelEmbedding",
+    "column_parallel_linears",
     "copy_to_tp_region", "gather_from_tp_region", "mean_token_loss", "padded_vocab_size", "reduce_from_tp_region",
     "scatter_to_tp_region", "seed_tensor_parallel_rng", "tensor_parallel_rng", "vocab_parallel_cross_entropy",
     "vocab_parallel_logits",

@@ -1,8 +1,9 @@
 """Cross entropy over vocab-sharded logits, without gathering them (Megatron-LM, Shoeybi et al. 2019, §3).
 
 Per token, with z the logits spread over TP ranks:  loss = log(sum_j exp(z_j - m)) - (z_target - m),
-m = max_j z_j. Each rank reduces its slice; three all-reduces over TP (max, target logit, sum of exps)
-of size (b, s) assemble the result. Padded vocabulary columns (index >= vocab_size) are masked to -inf,
+m = max_j z_j. Each rank reduces its slice; two all-reduces over TP assemble the result: the max, then
+the target logit and the sum of exps together in one (2, b, s) tensor (both are sums, both are known
+once the max is). Padded vocabulary columns (index >= vocab_size) are masked to -inf,
 so they change neither the loss nor the gradients.
 """
 
@@ -42,11 +43,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z_target = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         # torch.where, not a product: a padded column holds -inf and -inf * 0 is NaN.
         z_target = torch.where(outside, torch.zeros_like(z_target), z_target)
-        _all_reduce(z_target, tp)
 
         exp_z = z.exp_()
-        sum_exp = exp_z.sum(dim=-1)
-        _all_reduce(sum_exp, tp)
+        sums = torch.stack((z_target, exp_z.sum(dim=-1)))  # (2, b, s): one all-reduce for both sums
+        _all_reduce(sums, tp)
+        z_target, sum_exp = sums[0], sums[1]
 
         ignored = target == ignore_index
         loss = (sum_exp.log() - z_target).masked_fill(ignored, 0.0)  # (b, s)

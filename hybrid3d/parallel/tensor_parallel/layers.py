@@ -14,13 +14,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
-from hybrid3d.parallel.tensor_parallel.mappings import (
-    copy_to_tp_region,
-    gather_from_tp_region,
-    reduce_from_tp_region,
-    scatter_to_tp_region,
-)
+from hybrid3d.parallel.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -57,18 +53,17 @@ class ColumnParallelLinear(nn.Module):
     """y = x A^T with A split by rows (output features) over TP: A = [A_1; ...; A_t].
 
     x: (..., in) replicated; output: (..., out/t), or (..., out) with `gather_output`.
-    `copy_input=False` lets several column-parallel layers share one f operator (q/k/v,
-    gate/up) so the backward pass does one input-gradient all-reduce, not one per layer.
+    Layers that share an input (q/k/v, gate/up) call `column_parallel_linears` with all their
+    weights instead of their own forward: one input-gradient all-reduce for all of them.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, *, bias: bool = False,
-                 gather_output: bool = False, copy_input: bool = True, init_method: Optional[InitMethod] = None,
-                 device=None, dtype=None):
+                 gather_output: bool = False, init_method: Optional[InitMethod] = None, device=None, dtype=None):
         super().__init__()
         self.tp = tp
         self.in_features, self.out_features = in_features, out_features
         self.out_per_rank = divide(out_features, tp.size, "output features")
-        self.gather_output, self.copy_input = gather_output, copy_input
+        self.gather_output = gather_output
         init = init_method or normal_init(0.02)
         self.weight = nn.Parameter(torch.empty(self.out_per_rank, in_features, device=device, dtype=dtype))
         init_shard_(self.weight, (out_features, in_features), 0, tp, init)
@@ -80,9 +75,8 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x):  # (..., in) -> (..., out/t)
-        if self.copy_input:
-            x = copy_to_tp_region(x, self.tp)
-        y = F.linear(x, self.weight, self.bias)
+        y, = column_parallel_linears(x, [self.weight], self.tp)
+        y = y if self.bias is None else y + self.bias
         return gather_from_tp_region(y, self.tp) if self.gather_output else y
 
     def extra_repr(self):
@@ -177,4 +171,5 @@ def vocab_parallel_logits(hidden, weight, tp: TensorParallelGroup):
 
     Used by the untied head (a ColumnParallelLinear) and by the tied head, which reuses the
     VocabParallelEmbedding weight."""
-    return F.linear(copy_to_tp_region(hidden, tp), weight)
+    logits, = column_parallel_linears(hidden, [weight], tp)
+    return logits

@@ -55,11 +55,15 @@ class _CopyToTPRegion(torch.autograd.Function):
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
-    """g: all-reduce forward, identity backward."""
+    """g: all-reduce forward, identity backward. The input is a partial sum no other op keeps (a
+    row-parallel GEMM's or the embedding's output), so it is reduced in place, marked dirty."""
 
     @staticmethod
     def forward(ctx, x, tp):
-        return _all_reduce(x.clone(), tp)
+        if not x.is_contiguous():
+            return _all_reduce(x.contiguous(), tp)
+        ctx.mark_dirty(x)
+        return _all_reduce(x, tp)
 
     @staticmethod
     def backward(ctx, grad):

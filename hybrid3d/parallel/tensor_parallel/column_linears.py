@@ -1,0 +1,55 @@
+"""Column-parallel GEMMs that share one input, with the f operator folded in and its backward
+all-reduce overlapped with the weight-gradient GEMMs.
+
+Megatron's f (`copy_to_tp_region`) all-reduces the input gradient over TP in the backward pass.
+As a separate autograd op it runs after the input-gradient GEMMs and before the weight-gradient
+GEMMs, and nothing else runs while it waits. Here one autograd function computes the input gradient
+Σ_i dY_i A_i, starts its all-reduce (`async_op=True`), computes every dA_i = dY_iᵀ X while the
+reduction is in flight, and waits last: Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`
+(Narayanan et al. 2021, §4; Megatron's `--async-tensor-model-parallel-allreduce`).
+
+Several weights in one call (q/k/v, gate/up) give one input-gradient all-reduce for all of them.
+The input gradient is a fresh tensor this function owns, so it is reduced in place (no copy).
+"""
+
+import deepspeed.comm as dist
+import torch
+import torch.nn.functional as F
+
+from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+
+
+class _ColumnParallelLinears(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, tp, *weights):  # x: (..., in) replicated; weight i: (out_i/t, in)
+        ctx.tp = tp
+        ctx.save_for_backward(x, *weights)
+        return tuple(F.linear(x, w) for w in weights)  # each (..., out_i/t)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        x2d = x.reshape(-1, x.shape[-1])  # (b·s, in)
+        pairs = [(g.reshape(-1, g.shape[-1]), w) for g, w in zip(grads, weights) if g is not None]  # (b·s, out_i/t)
+        grad_x = handle = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch.zeros_like(x2d) if not pairs else pairs[0][0] @ pairs[0][1]  # (b·s, in)
+            for g, w in pairs[1:]:
+                grad_x.addmm_(g, w)
+            handle = dist.all_reduce(grad_x, group=ctx.tp.group, async_op=True)
+        grad_weights = []
+        for g, w in zip(grads, weights):  # computed while the all-reduce is in flight
+            grad_weights.append(None if g is None else (g.reshape(-1, g.shape[-1]).t() @ x2d).to(w.dtype))
+        if handle is not None:
+            handle.wait()
+            grad_x = grad_x.view(x.shape)
+        return (grad_x, None, *grad_weights)
+
+
+def column_parallel_linears(x: torch.Tensor, weights: list, tp: TensorParallelGroup) -> tuple:
+    """(F.linear(x, w) for w in weights) with f applied once to x: (..., in) -> ((..., out_i/t), ...).
+    `weights` are column-parallel shards (out_i/t, in), or any tensors autograd tracks (a view of a
+    replicated weight); their gradients are the local dY_iᵀ X, the input's is summed over TP."""
+    if tp.size == 1:
+        return tuple(F.linear(x, w) for w in weights)
+    return _ColumnParallelLinears.apply(x, tp, *weights)
