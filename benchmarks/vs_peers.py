@@ -96,13 +96,19 @@ def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str
     check_sequences_per_step(system, engine, world // tp, args.global_batch)
 
     def step(batches):
+        losses = []
         for _ in range(engine.gradient_accumulation_steps()):
             ids, targets = next(batches)
             logits = engine(input_ids=ids).logits
             loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
             engine.backward(loss)
             engine.step()
-        return loss.item()
+            losses.append(loss.detach())
+        # The step's loss as hybrid3d reports it: the mean over micro-batches and data-parallel replicas
+        # (TP ranks of one replica hold the same loss, so the world mean is the replicas' mean).
+        mean = torch.stack(losses).mean()
+        dist.all_reduce(mean)
+        return mean.item() / world
 
     return engine, step, dist.get_rank() // tp  # AutoTP's mesh: rank = data x t + tensor
 
