@@ -1,0 +1,118 @@
+"""The planner's step-time estimate (`hybrid3d.planning.planner.estimate_step_time`) against the step
+times `vs_peers.py` measured for hybrid3d at each layout.
+
+The estimate needs a machine: its compute rate and its all-reduce bandwidth. Both are measured here,
+not assumed:
+- compute: the FLOP rate of vs_peers' plain single-process PyTorch row (6N + 12·L·h·s per token x
+  tokens/s) on all cores; a rank of a world of n ranks on those cores gets 1/n of it (n >= cores);
+- bandwidth: the bus bandwidth of a gloo all-reduce of one TP message (b·s·h activations) in a spawned
+  world of each size, 2(n - 1)/n · bytes / time (the planner's convention), median of 20.
+The planner's own parts (compute, 1F1B bubble, TP, DP, pipeline traffic) are then summed; it leaves out
+the optimizer step and Python/framework time, so it is expected to fall short of the measured time.
+
+    python benchmarks/step_time_check.py benchmarks/results/2026-12-01-vm/vs_peers.json
+"""
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [HERE, os.path.dirname(HERE)]
+from common import run_world  # noqa: E402
+from vs_peers import LAYOUTS, MODEL  # noqa: E402
+
+from hybrid3d.model import LlamaShape  # noqa: E402
+from hybrid3d.planning.flops import training_flops_per_token  # noqa: E402
+from hybrid3d.planning.memory import GB  # noqa: E402
+from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
+
+
+def bus_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
+    """Bytes/s of bus bandwidth of an fp32 all-reduce of `numel` elements over the whole world."""
+    import deepspeed.comm as dist
+
+    x = torch.ones(numel)
+    for _ in range(3):
+        dist.all_reduce(x)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - start)
+    return 2 * (world_size - 1) / world_size * numel * 4 / statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("vs_peers_json", help="vs_peers.json written by benchmarks/vs_peers.py")
+    args = parser.parse_args(argv)
+    if not os.path.isfile(args.vs_peers_json):
+        parser.exit(2, f"error: {args.vs_peers_json} does not exist\n")
+    with open(args.vs_peers_json) as f:
+        measured = json.load(f)
+    command = measured["command"].split()
+    flag = {k: int(command[command.index(k) + 1]) for k in ("--seq-length", "--micro-batch", "--global-batch")
+            if k in command}
+    seq, micro, global_batch = flag.get("--seq-length", 128), flag.get("--micro-batch", 2), flag.get("--global-batch", 8)
+    from transformers import LlamaConfig
+
+    shape = LlamaShape.from_hf(LlamaConfig(**MODEL))
+    flops_per_token = training_flops_per_token(shape, seq)
+    cores = os.cpu_count() or 1
+    bandwidth = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
+            bandwidth[world] = run_world(bus_bandwidth, world, os.path.join(tmp, f"w{world}"),
+                                         micro * seq * shape.hidden_size, 20)[0]
+    rows, plain = measured["rows"], {}
+    for r in rows:
+        if r["system"].startswith("plain"):
+            plain[r["precision"]] = r["tokens_per_s"] * flops_per_token  # FLOP/s on all cores
+    out = []
+    for r in rows:
+        if r["system"] != "hybrid3d":
+            continue
+        world, tp, pp, _ = LAYOUTS[r["for_layout"]]
+        dp = world // (tp * pp)
+        rank_rate = plain[r["precision"]] / max(world, cores)
+        cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
+                          efficiency=1.0, intra_node_gbps=bandwidth[world] / GB, inter_node_gbps=bandwidth[world] / GB)
+        est = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
+                                 "fp32" if r["precision"] == "fp32" else "bf16")
+        out.append({"layout": r["for_layout"], "precision": r["precision"], "measured_s": r["step_s"],
+                    "estimate_s": est.seconds, "compute": est.compute, "bubble": est.bubble, "tp": est.tp,
+                    "dp": est.dp, "pipe": est.pipe, "error": est.seconds / r["step_s"] - 1})
+    lines = ["| precision | layout | measured s | estimate s | compute | bubble | TP | DP | pipeline | error |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for o in out:
+        lines.append(f"| {o['precision']} | {o['layout']} | {o['measured_s']:.3f} | {o['estimate_s']:.3f} | "
+                     f"{o['compute']:.3f} | {o['bubble']:.3f} | {o['tp']:.4f} | {o['dp']:.4f} | {o['pipe']:.4f} | "
+                     f"{o['error']:+.0%} |")
+    table = "\n".join(lines)
+    errors = [abs(o["error"]) for o in out]
+    summary = (f"Measured all-reduce bus bandwidth (gloo, {micro * seq * shape.hidden_size * 4 / 2**20:.2f} MiB): "
+               + ", ".join(f"{w} ranks {b / 1e9:.2f} GB/s" for w, b in bandwidth.items())
+               + f"; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
+               + f" on {cores} cores. Median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}.")
+    out_dir = os.path.dirname(os.path.abspath(args.vs_peers_json))
+    with open(os.path.join(out_dir, "step_time.md"), "w") as f:
+        f.write("\n".join(["# The planner's step-time estimate against measured step times", "",
+                           f"- command: `python benchmarks/step_time_check.py {args.vs_peers_json}`",
+                           f"- measured rows: `{measured['command']}` (commit {measured['environment']['commit']})",
+                           "", summary, "", table, ""]))
+    with open(os.path.join(out_dir, "step_time.json"), "w") as f:
+        json.dump({"rows": out, "bandwidth_bytes_per_s": bandwidth, "plain_flops_per_s": plain}, f, indent=1)
+    print(summary)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
