@@ -9,6 +9,7 @@ so they change neither the loss nor the gradients.
 
 import deepspeed.comm as dist
 import torch
+import torch.nn.functional as F
 from deepspeed.comm import ReduceOp
 
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
@@ -75,7 +76,14 @@ def vocab_parallel_cross_entropy(logits, target, tp: TensorParallelGroup, vocab_
 
 
 def mean_token_loss(logits, target, tp: TensorParallelGroup, vocab_size: int, ignore_index: int = IGNORE_INDEX):
-    """Mean over non-ignored tokens, as `F.cross_entropy(reduction='mean')` and HF's causal-LM loss."""
+    """Mean over non-ignored tokens, as `F.cross_entropy(reduction='mean')` and HF's causal-LM loss.
+
+    Without TP the logits hold the whole vocabulary and torch's fused cross entropy (one log-softmax
+    pass, fp32) is the same function at lower cost: the vocab-parallel one makes several passes over the
+    (b, s, V) logits to share its sums between ranks."""
+    count = (target != ignore_index).sum().clamp(min=1)  # a batch with no target token gives 0, not NaN
+    if tp.size == 1:
+        z = logits[..., :vocab_size].float()  # (b, s, V): padded columns dropped
+        return F.cross_entropy(z.flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum") / count
     per_token = vocab_parallel_cross_entropy(logits, target, tp, vocab_size, ignore_index)
-    count = (target != ignore_index).sum().clamp(min=1)
     return per_token.sum() / count
