@@ -147,7 +147,8 @@ def environment() -> dict:
         "python": platform.python_version(), "torch": torch.__version__, "deepspeed": deepspeed.__version__,
         "transformers": transformers.__version__,
         "commit": git("rev-parse", "--short", "HEAD"),
-        "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        # results written by an earlier benchmark of the same session do not make the code dirty
+        "dirty": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!benchmarks/results")),
     }
 
 

@@ -5,15 +5,18 @@ The estimate needs a machine: its compute rate and its all-reduce bandwidth. Bot
 not assumed:
 - compute: the FLOP rate of vs_peers' plain single-process PyTorch row (6N + 12·L·h·s per token x
   tokens/s) on all cores; a rank of a world of n ranks on those cores gets 1/n of it (n >= cores);
-- bandwidth: the bus bandwidth of a gloo all-reduce of one TP message (b·s·h activations) in a spawned
-  world of each size, 2(n - 1)/n · bytes / time (the planner's convention), median of 20.
+- bandwidth: the bus bandwidth of a gloo all-reduce in a spawned world of each size, 2(n - 1)/n · bytes
+  / time (the planner's convention), median of 30, at two message sizes: one TP message (b·s·h
+  activations), used for the TP and pipeline parts, and one DP reduce bucket, used for the DP part.
+  (The planner itself has one bandwidth per link; small messages are latency-bound on gloo.)
 The planner's own parts (compute, 1F1B bubble, TP, DP, pipeline traffic) are then summed; it leaves out
-the optimizer step and Python/framework time, so it is expected to fall short of the measured time.
+the optimizer step and Python/framework time.
 
     python benchmarks/step_time_check.py benchmarks/results/2026-12-01-vm/vs_peers.json
 """
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -26,7 +29,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import run_world  # noqa: E402
-from vs_peers import LAYOUTS, MODEL  # noqa: E402
+from vs_peers import LAYOUTS, MODEL, REDUCE_BUCKET  # noqa: E402
 
 from hybrid3d.model import LlamaShape  # noqa: E402
 from hybrid3d.planning.flops import training_flops_per_token  # noqa: E402
@@ -67,11 +70,12 @@ def main(argv=None):
     shape = LlamaShape.from_hf(LlamaConfig(**MODEL))
     flops_per_token = training_flops_per_token(shape, seq)
     cores = os.cpu_count() or 1
-    bandwidth = {}
+    message = {"tp": micro * seq * shape.hidden_size, "dp": REDUCE_BUCKET}  # fp32 elements
+    bandwidth = {}  # (kind, world) -> bytes/s
     with tempfile.TemporaryDirectory() as tmp:
         for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
-            bandwidth[world] = run_world(bus_bandwidth, world, os.path.join(tmp, f"w{world}"),
-                                         micro * seq * shape.hidden_size, 20)[0]
+            for kind, numel in message.items():
+                bandwidth[kind, world] = run_world(bus_bandwidth, world, os.path.join(tmp, f"{kind}{world}"), numel, 30)[0]
     rows, plain = measured["rows"], {}
     for r in rows:
         if r["system"].startswith("plain"):
@@ -83,10 +87,15 @@ def main(argv=None):
         world, tp, pp, _ = LAYOUTS[r["for_layout"]]
         dp = world // (tp * pp)
         rank_rate = plain[r["precision"]] / max(world, cores)
-        cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
-                          efficiency=1.0, intra_node_gbps=bandwidth[world] / GB, inter_node_gbps=bandwidth[world] / GB)
-        est = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
-                                 "fp32" if r["precision"] == "fp32" else "bf16")
+        parts = {}
+        for kind in message:
+            gbps = bandwidth[kind, world] / GB
+            cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
+                              efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps)
+            parts[kind] = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
+                                             "fp32" if r["precision"] == "fp32" else "bf16")
+        small, bucket = parts["tp"], parts["dp"]
+        est = dataclasses.replace(small, dp=bucket.dp)  # TP and pipeline at the TP message's bandwidth
         out.append({"layout": r["for_layout"], "precision": r["precision"], "measured_s": r["step_s"],
                     "estimate_s": est.seconds, "compute": est.compute, "bubble": est.bubble, "tp": est.tp,
                     "dp": est.dp, "pipe": est.pipe, "error": est.seconds / r["step_s"] - 1})
@@ -98,8 +107,8 @@ def main(argv=None):
                      f"{o['error']:+.0%} |")
     table = "\n".join(lines)
     errors = [abs(o["error"]) for o in out]
-    summary = (f"Measured all-reduce bus bandwidth (gloo, {micro * seq * shape.hidden_size * 4 / 2**20:.2f} MiB): "
-               + ", ".join(f"{w} ranks {b / 1e9:.2f} GB/s" for w, b in bandwidth.items())
+    summary = ("Measured all-reduce bus bandwidth (gloo, fp32): "
+               + ", ".join(f"{message[k] * 4 / 2**20:.2f} MiB at {w} ranks {b / 1e9:.2f} GB/s" for (k, w), b in bandwidth.items())
                + f"; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
                + f" on {cores} cores. Median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}.")
     out_dir = os.path.dirname(os.path.abspath(args.vs_peers_json))
@@ -109,7 +118,8 @@ def main(argv=None):
                            f"- measured rows: `{measured['command']}` (commit {measured['environment']['commit']})",
                            "", summary, "", table, ""]))
     with open(os.path.join(out_dir, "step_time.json"), "w") as f:
-        json.dump({"rows": out, "bandwidth_bytes_per_s": bandwidth, "plain_flops_per_s": plain}, f, indent=1)
+        json.dump({"rows": out, "bandwidth_bytes_per_s": {f"{k}@{w}": b for (k, w), b in bandwidth.items()},
+                   "plain_flops_per_s": plain}, f, indent=1)
     print(summary)
     print(table)
 
