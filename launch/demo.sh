@@ -2,6 +2,7 @@
 # The CPU demo on a fresh machine: install, then train a tiny Llama at TP2 x PP2 on 4 gloo ranks
 # on the built-in corpus. Extra arguments are config overrides, e.g. --train.steps 20.
 set -euo pipefail
+export PIP_ROOT_USER_ACTION="${PIP_ROOT_USER_ACTION:-ignore}"  # no warning about installing as root
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
 python -m pip install --quiet -e .
