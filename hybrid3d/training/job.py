@@ -18,7 +18,7 @@ from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
 from hybrid3d.checkpoint.universal import convert_to_universal
 from hybrid3d.data import build_training_data, micro_batches
-from hybrid3d.data.baseline import unigram_entropy
+from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
 from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
@@ -205,8 +205,9 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
     baseline = unigram_entropy(data.train.tokens) if is_rank0 else None
     if is_rank0:
-        info(f"unigram entropy of the training tokens: {baseline:.3f} nats (the loss of a model that knows only "
-             "token frequencies)", is_rank0)
+        counted = "" if len(data.train.tokens) <= MAX_TOKENS else f" (the first {MAX_TOKENS:,})"
+        info(f"unigram entropy of the training tokens{counted}: {baseline:.3f} nats (the loss of a model that "
+             "knows only token frequencies)", is_rank0)
     last_eval = None
     while step < hybrid.train.steps:
         watchdog.beat(f"step {step + 1}")
