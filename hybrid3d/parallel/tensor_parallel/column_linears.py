@@ -8,6 +8,10 @@ GEMMs, and nothing else runs while it waits. Here one autograd function computes
 reduction is in flight, and waits last: Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication`
 (Narayanan et al. 2021, §4; Megatron's `--async-tensor-model-parallel-allreduce`).
 
+On CUDA the reduction runs on NCCL's stream while the GEMMs run on the compute stream; Megatron also
+sets CUDA_DEVICE_MAX_CONNECTIONS=1 so that the all-reduce is queued before the GEMMs. hybrid3d leaves that
+variable to the user, and the overlap on GPUs has not been measured yet.
+
 Several weights in one call (q/k/v, gate/up) give one input-gradient all-reduce for all of them.
 The input gradient is a fresh tensor this function owns, so it is reduced in place (no copy).
 """
