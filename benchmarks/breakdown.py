@@ -34,7 +34,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import (CALLER_CLASSES, environment, environment_markdown, random_batches, require_matplotlib,  # noqa: E402
                     results_dir, run_world)
-from vs_peers import LAYOUTS, MODEL, PRECISIONS, build, peer_layout_of  # noqa: E402
+from vs_peers import LAYOUTS, MODEL, PRECISIONS, build, peer_layout_of, system_tp_pp  # noqa: E402
 
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce", "broadcast",
                "send", "recv", "isend", "irecv", "all_to_all_single", "reduce_scatter_fn", "allgather_fn")
@@ -101,9 +101,7 @@ def attribute(events, wall_s: float, steps: int) -> dict:
 def profile_system(system: str, layout: str, precision: str, args, hf_model_dir: str) -> dict:
     import deepspeed.comm as dist
 
-    _, tp, pp, _ = LAYOUTS[layout]
-    if system != "hybrid3d":
-        pp, tp = 1, (tp if system == "hf-autotp" else 1)
+    tp, pp = system_tp_pp(system, layout)
     engine, step, dp_rank = build(system, tp, pp, precision, args, hf_model_dir)
     batches = random_batches(MODEL["vocab_size"], args.micro_batch, args.seq_length, seed=dp_rank)
     step(batches)

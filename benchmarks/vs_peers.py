@@ -120,15 +120,21 @@ def check_sequences_per_step(system: str, engine, dp: int, expected: int) -> Non
         raise RuntimeError(f"{system} would process {real} sequences per step, not {expected}")
 
 
+def system_tp_pp(system: str, layout: str) -> tuple[int, int]:
+    """(tp, pp) at which `system` runs for `layout`: hybrid3d at the layout's own, a peer at its own
+    layout over the same ranks (AutoTP keeps the TP size, HF + ZeRO is pure DP; neither has a pipeline)."""
+    _, tp, pp, _ = LAYOUTS[layout]
+    if system == "hybrid3d":
+        return tp, pp
+    return (tp if system == "hf-autotp" else 1), 1
+
+
 def run_system(system: str, layout: str, precision: str, args, hf_model_dir: str) -> dict:
     import deepspeed.comm as dist
 
     from hybrid3d.ds_internals.memory_probe import PeakProbe
 
-    _, tp, pp, _ = LAYOUTS[layout]
-    if system != "hybrid3d":  # the peer's own layout at this world size
-        pp = 1
-        tp = tp if system == "hf-autotp" else 1
+    tp, pp = system_tp_pp(system, layout)
     gc.collect()
     reset_peak_rss()
     engine, step, dp_rank = build(system, tp, pp, precision, args, hf_model_dir)

@@ -34,16 +34,17 @@ class _ColumnParallelLinears(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         x2d = x.reshape(-1, x.shape[-1])  # (b·s, in)
-        pairs = [(g.reshape(-1, g.shape[-1]), w) for g, w in zip(grads, weights) if g is not None]  # (b·s, out_i/t)
+        # each (b·s, out_i/t); reshaped once: q/k/v's gradients arrive transposed, so this copies
+        grads = [None if g is None else g.reshape(-1, g.shape[-1]) for g in grads]
+        pairs = [(g, w) for g, w in zip(grads, weights) if g is not None]
         grad_x = handle = None
         if ctx.needs_input_grad[0]:
             grad_x = torch.zeros_like(x2d) if not pairs else pairs[0][0] @ pairs[0][1]  # (b·s, in)
             for g, w in pairs[1:]:
                 grad_x.addmm_(g, w)
             handle = dist.all_reduce(grad_x, group=ctx.tp.group, async_op=True)
-        grad_weights = []
-        for g, w in zip(grads, weights):  # computed while the all-reduce is in flight
-            grad_weights.append(None if g is None else (g.reshape(-1, g.shape[-1]).t() @ x2d).to(w.dtype))
+        # computed while the all-reduce is in flight
+        grad_weights = [None if g is None else (g.t() @ x2d).to(w.dtype) for g, w in zip(grads, weights)]
         if handle is not None:
             handle.wait()
             grad_x = grad_x.view(x.shape)
