@@ -58,8 +58,10 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
                               "(truncated or overwritten)")
 
 
-def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict) -> ResumePlan:
-    """Check the checkpoint against the model and decide native vs universal loading."""
+def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
+                cp: int = 1) -> ResumePlan:
+    """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
+    saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks)."""
     load_dir, tag = find_checkpoint(load, save_dir)
     meta = read_meta(load_dir / tag)
     if meta is None:
@@ -77,5 +79,5 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
-    universal = not module_only and (saved["tp"], saved["pp"], saved["dp"]) != (tp, pp, dp)
+    universal = not module_only and (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1)) != (tp, pp, dp, cp)
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

@@ -97,6 +97,40 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 
+def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
+    """Sequence and context parallelism: the combinations that cannot work, one line each, and the
+    pipeline keys SP needs (set here when absent).
+
+    With SP, DeepSpeed's pipe/grad partitioning and `partition_activations` would split the (b, s/t, h)
+    shards again over TP as if they were replicated, then gather the other ranks' different shards."""
+    sp, cp = hybrid.sequence_parallel, hybrid.context_parallel_size
+    tp, pp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size
+    seq = hybrid.data.seq_length
+    if sp:
+        if tp == 1:
+            raise ConfigError(f"{SECTION}.sequence_parallel needs {SECTION}.tensor_parallel_size > 1 "
+                              "(it splits the sequence over the tensor-parallel group)")
+        if ds.get("activation_checkpointing", {}).get("partition_activations", False):
+            raise ConfigError(f"activation_checkpointing.partition_activations cannot be combined with "
+                              f"{SECTION}.sequence_parallel: the checkpointed activations are already split over TP")
+        if pp > 1:
+            pipeline = ds.setdefault("pipeline", {})
+            for key in ("pipe_partitioned", "grad_partitioned"):
+                if pipeline.get(key, False):
+                    raise ConfigError(f"pipeline.{key}=true cannot be combined with {SECTION}.sequence_parallel: "
+                                      "the stage-to-stage activations are already split over TP")
+                pipeline[key] = False
+    if cp > 1 and pp > 1:
+        raise ConfigError(f"{SECTION}.context_parallel_size > 1 cannot run with {SECTION}.pipeline_parallel_size > 1: "
+                          "DeepSpeed 0.19's PipelineEngine reduces gradients over the data-parallel group only, "
+                          "leaving the context-parallel ranks' gradients unsummed")
+    split = cp * (tp if sp else 1)
+    if seq % split:
+        what = " * ".join(([f"context_parallel_size ({cp})"] if cp > 1 else [])
+                          + ([f"tensor_parallel_size ({tp}, sequence_parallel)"] if sp else []))
+        raise ConfigError(f"{SECTION}.data.seq_length ({seq}) is not divisible by {what}")
+
+
 def check_activation_checkpointing(ds: dict, pp: int, num_layers: int | None, on_cpu: bool) -> None:
     pipe = ds.get("pipeline", {})
     interval = pipe.get("activation_checkpoint_interval", 0)

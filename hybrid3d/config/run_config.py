@@ -8,6 +8,7 @@ from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
     check_nonfinite_policy,
     check_pipeline_zero2,
+    check_sequence_splits,
     check_zero_and_precision,
     complete_batch_sizes,
 )
@@ -30,6 +31,14 @@ class RunConfig:
     @property
     def pp(self) -> int:
         return self.hybrid.pipeline_parallel_size
+
+    @property
+    def cp(self) -> int:
+        return self.hybrid.context_parallel_size
+
+    @property
+    def sp(self) -> bool:
+        return self.hybrid.sequence_parallel
 
     @property
     def zero_stage(self) -> int:
@@ -55,14 +64,17 @@ class RunConfig:
 def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True) -> RunConfig:
     """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks."""
     hybrid = parse_hybrid_section(raw)
-    tp, pp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size
-    if world_size % (tp * pp):
+    tp, pp, cp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size, hybrid.context_parallel_size
+    if world_size % (tp * pp * cp):
+        cp_part = f" * {SECTION}.context_parallel_size" if cp > 1 else ""
+        sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
         raise ConfigError(
             f"world size {world_size} is not divisible by {SECTION}.tensor_parallel_size * "
-            f"{SECTION}.pipeline_parallel_size = {tp} * {pp}")
+            f"{SECTION}.pipeline_parallel_size{cp_part} = {sizes}")
     ds = {k: v for k, v in raw.items() if k != SECTION}
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
-    complete_batch_sizes(ds, world_size // (tp * pp))
+    check_sequence_splits(ds, hybrid)
+    complete_batch_sizes(ds, world_size // (tp * pp * cp))
     check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)

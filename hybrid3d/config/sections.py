@@ -55,6 +55,11 @@ class CheckpointSection:
 class HybridSection:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Megatron sequence parallelism (Korthikanti et al. 2022): activations between TP regions split along
+    # the sequence over the TP group; needs tensor_parallel_size > 1.
+    sequence_parallel: bool = False
+    # DeepSpeed-Ulysses context parallelism: each sequence split over c more ranks (world = t·p·d·c).
+    context_parallel_size: int = 1
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128

@@ -6,17 +6,29 @@ Rank r holds query heads [r*a/t, (r+1)*a/t). Key/value heads:
   full k/v weights are then replicated on every rank; a rank uses its head's rows, and the
   weight gradient (non-zero only in those rows) is summed over TP, giving every replica the
   full gradient (the same rule as a replicated parameter).
+
+Context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) splits the sequence over c more ranks:
+each computes q/k/v for its s/c positions, `deepspeed.sequence.layer.DistributedAttention` exchanges
+them all-to-all for all s positions of a/(t·c) heads, the core attends over the whole sequence, and
+a second all-to-all returns the output to sequence shards. RoPE is applied inside the core, after the
+exchange, so its positions are the global ones. GQA: a rank's kv heads are split over c with its
+query heads; when c is a multiple of them, each kv head is repeated c/kv times first, so every CP rank
+gets one (`context_kv_heads`).
 """
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import COLUMN, block_kind, kv_heads_per_rank
+from hybrid3d.model.tp_plan import COLUMN, block_kind, context_kv_heads, kv_heads_per_rank
 from hybrid3d.model.rope import RotaryFrequencies, apply_rope
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
+    ContextParallelGroup,
     RowParallelLinear,
     TensorParallelGroup,
     column_parallel_linears,
@@ -45,15 +57,36 @@ class ReplicatedKVProjection(nn.Module):
         return weight[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
 
 
+class CoreAttention(nn.Module):
+    """RoPE and causal SDPA over whole sequences: (b, s, heads, d) q and (b, s, kv, d) k, v -> (b, s, heads, d)."""
+
+    def __init__(self, shape: LlamaShape):
+        super().__init__()
+        self.dropout = shape.attention_dropout
+        self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+
+    def forward(self, q, k, v):
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, s, d)
+        cos, sin = self.rotary.cos_sin(q.shape[2], q.device, q.dtype)  # positions 0..s-1 of the whole sequence
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        dropout = self.dropout if self.training else 0.0
+        with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
+            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+                                                 enable_gqa=k.shape[1] != q.shape[1])
+        return out.transpose(1, 2)  # (b, s, heads, d)
+
+
 class Attention(nn.Module):
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
+                 device=None, dtype=None):
         super().__init__()
         self.tp = tp
+        self.cp = cp or ContextParallelGroup.single()
         self.head_dim = shape.head_dim
         self.heads = shape.num_heads // tp.size
         self.kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp.size)
-        self.dropout = shape.attention_dropout
-        self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        # kv heads after repetition for the context-parallel exchange (this rank's own without CP)
+        self.exchanged_kv_heads = context_kv_heads(self.kv_heads, self.cp.size)
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
@@ -66,23 +99,27 @@ class Attention(nn.Module):
             self.k_proj = ReplicatedKVProjection(shape, tp, **kw)
             self.v_proj = ReplicatedKVProjection(shape, tp, **kw)
         self.o_proj = RowParallelLinear(shape.num_heads * d, h, tp, input_is_parallel=True, init_method=init, **kw)
+        self.core = CoreAttention(shape)
+        # batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
+        self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
+                                 if self.cp.size > 1 else None)
 
-    def forward(self, x):  # (b, s, h) -> (b, s, h)
-        b, s, _ = x.shape
+    def forward(self, x):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same
         if self.kv_replicated:
             kv_weights = [self.k_proj.head_rows(), self.v_proj.head_rows()]
         else:
             kv_weights = [self.k_proj.weight, self.v_proj.weight]
         # q/k/v share one input-gradient all-reduce, overlapped with their weight gradients
-        q, k, v = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)
-        q = q.view(b, s, self.heads, self.head_dim).transpose(1, 2)  # (b, a/t, s, d)
-        k = k.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)  # (b, kv/t, s, d)
-        v = v.view(b, s, self.kv_heads, self.head_dim).transpose(1, 2)
-        cos, sin = self.rotary.cos_sin(s, x.device, x.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        dropout = self.dropout if self.training else 0.0
-        with tensor_parallel_rng():  # heads differ per TP rank, so must their dropout masks
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
-                                                 enable_gqa=self.kv_heads != self.heads)
-        out = out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim)  # (b, s, a*d/t)
-        return self.o_proj(out)
+        q, k, v = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)  # SP: sequence gathered
+        b, s = q.shape[:2]  # s: this rank's s/c positions
+        q = q.view(b, s, self.heads, self.head_dim)  # (b, s/c, a/t, d)
+        k = k.view(b, s, self.kv_heads, self.head_dim)  # (b, s/c, kv/t, d)
+        v = v.view(b, s, self.kv_heads, self.head_dim)
+        if self.context_parallel is None:
+            out = self.core(q, k, v)
+        else:
+            repeats = self.exchanged_kv_heads // self.kv_heads
+            if repeats > 1:  # every CP rank needs a kv head of its own: (b, s/c, c, d)
+                k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
+            out = self.context_parallel(q, k, v, 0)  # all-to-all, core on (b, s, a/(t·c), d), all-to-all back
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))  # (b, s/c, a·d/t) in

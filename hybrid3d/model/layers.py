@@ -15,6 +15,7 @@ from hybrid3d.model.mlp import SwiGLU
 from hybrid3d.model.norm import RMSNorm
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
+    ContextParallelGroup,
     TensorParallelGroup,
     VocabParallelEmbedding,
     padded_vocab_size,
@@ -42,14 +43,16 @@ class Embedding(VocabParallelEmbedding):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h)."""
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h); each rank holds
+    s/c of the sequence with context parallelism, s/(c·t) with sequence parallelism too."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
+                 device=None, dtype=None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
-        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, **kw)
-        self.self_attn = Attention(shape, tp, **kw)
-        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, **kw)
+        self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
+        self.self_attn = Attention(shape, tp, cp, **kw)
+        self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.mlp = SwiGLU(shape, tp, **kw)
 
     def forward(self, x):
@@ -59,7 +62,7 @@ class DecoderBlock(nn.Module):
 
 class FinalNorm(RMSNorm):
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
-        super().__init__(shape.hidden_size, shape.rms_norm_eps, device=device, dtype=dtype)
+        super().__init__(shape.hidden_size, shape.rms_norm_eps, tp, device=device, dtype=dtype)
 
 
 class LMHead(ColumnParallelLinear):
@@ -82,8 +85,13 @@ def layer_classes(shape: LlamaShape) -> list[type]:
     return classes if shape.tie_word_embeddings else classes + [LMHead]
 
 
+def layer_kwargs(cls: type, cp: Optional[ContextParallelGroup]) -> dict:
+    """Constructor arguments beyond (shape, tp): the context-parallel group, which only attention uses."""
+    return {"cp": cp} if cls is DecoderBlock and cp is not None else {}
+
+
 def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
-                 seed: Optional[int] = None) -> list[nn.Module]:
+                 seed: Optional[int] = None, cp: Optional[ContextParallelGroup] = None) -> list[nn.Module]:
     """Instantiate `layer_classes(shape)`. With `seed`, layer i is drawn after seeding `seed + i`,
     exactly as PipelineModule(seed_layers=True, base_seed=seed) does, so a single-stage model and
     any pipeline partitioning start from the same weights."""
@@ -91,5 +99,5 @@ def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=
     for index, cls in enumerate(layer_classes(shape)):
         if seed is not None:
             set_random_seed(seed + index)
-        layers.append(cls(shape, tp, device=device, dtype=dtype))
+        layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, cp)))
     return layers

@@ -11,20 +11,25 @@ from torch import nn
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
-from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, mean_token_loss
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.context_parallel import sequence_mean
+from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
 
 
 class LanguageModelLoss:
-    """Mean next-token cross entropy over vocab-sharded logits; DeepSpeed's `loss_fn(outputs, labels)`."""
+    """Mean next-token cross entropy over vocab-sharded logits; DeepSpeed's `loss_fn(outputs, labels)`.
+    With context parallelism the logits and targets are this rank's s/c positions (`sequence_mean`)."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ignore_index: int = IGNORE_INDEX):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ignore_index: int = IGNORE_INDEX,
+                 cp: Optional[ContextParallelGroup] = None):
         self.vocab_size = shape.vocab_size
         self.tp = tp
+        self.cp = cp or ContextParallelGroup.single()
         self.ignore_index = ignore_index
 
-    def __call__(self, logits, targets):  # (b, s, V_padded/t), (b, s) -> scalar
-        return mean_token_loss(logits, targets, self.tp, self.vocab_size, self.ignore_index)
+    def __call__(self, logits, targets):  # (b, s/c, V_padded/t), (b, s/c) -> scalar
+        total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
+        return sequence_mean(total, count, self.cp)
 
 
 class LlamaSequential(nn.Module):
@@ -39,9 +44,10 @@ class LlamaSequential(nn.Module):
     """
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
-                 seed: Optional[int] = None, checkpoint_interval: int = 0, checkpoint_fn: Optional[Callable] = None):
+                 seed: Optional[int] = None, checkpoint_interval: int = 0, checkpoint_fn: Optional[Callable] = None,
+                 cp: Optional[ContextParallelGroup] = None):
         super().__init__()
-        layers = build_layers(shape, tp, device=device, dtype=dtype, seed=seed)
+        layers = build_layers(shape, tp, device=device, dtype=dtype, seed=seed, cp=cp)
         if shape.tie_word_embeddings:
             self.tied_modules = nn.ModuleDict({TIED_KEY: layers[0]})
         else:
@@ -51,7 +57,7 @@ class LlamaSequential(nn.Module):
         self.layers = layers  # forward order; a plain list, so nothing is registered twice
         self.shape = shape
         self.tp = tp
-        self.loss_fn = LanguageModelLoss(shape, tp)
+        self.loss_fn = LanguageModelLoss(shape, tp, cp=cp)
         if checkpoint_interval and checkpoint_fn is None:
             raise ValueError("checkpoint_interval > 0 needs a checkpoint_fn")
         self.checkpoint_interval = checkpoint_interval

@@ -1,19 +1,26 @@
 """RMSNorm (Zhang & Sennrich 2019), computed in fp32 like HF's LlamaRMSNorm."""
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from hybrid3d.parallel.tensor_parallel import TensorParallelGroup, replicated_weight
+
 
 class RMSNorm(nn.Module):
-    """y = w * x / sqrt(mean(x^2) + eps); replicated over TP. (b, s, h) -> (b, s, h)."""
+    """y = w * x / sqrt(mean(x^2) + eps); replicated over TP. (b, s, h) -> (b, s, h), or (b, s/t, h) with
+    sequence parallelism, where the weight's gradient is summed over TP (`replicated_weight`)."""
 
-    def __init__(self, hidden_size: int, eps: float, device=None, dtype=None):
+    def __init__(self, hidden_size: int, eps: float, tp: Optional[TensorParallelGroup] = None,
+                 device=None, dtype=None):
         super().__init__()
         self.eps = eps
+        self.tp = tp or TensorParallelGroup.single()
         self.weight = nn.Parameter(torch.ones(hidden_size, device=device, dtype=dtype))
 
     def forward(self, x):
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(input_dtype)
+        return replicated_weight(self.weight, self.tp) * x.to(input_dtype)

@@ -49,6 +49,12 @@ def kv_rows_per_rank(shape: LlamaShape, t: int) -> int:
     return heads * shape.head_dim
 
 
+def context_kv_heads(kv_per_rank: int, c: int) -> int:
+    """kv heads a TP rank hands to the context-parallel exchange: its own when c divides them, else
+    each repeated c/kv times (c a multiple of them), so each of the c ranks receives whole kv heads."""
+    return kv_per_rank if kv_per_rank % c == 0 else c
+
+
 def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     """The split of decoder-block weight `name` (a BLOCK_PLAN key) at TP size t."""
     kind = BLOCK_PLAN[name]
@@ -57,8 +63,8 @@ def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     return kind
 
 
-def check_split(shape: LlamaShape, t: int, pp: int = 1) -> None:
-    """Raise LayoutError if TP size t and pp stages cannot split `shape` exactly."""
+def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1) -> None:
+    """Raise LayoutError if TP size t, pp stages and context-parallel size cp cannot split `shape` exactly."""
     if shape.num_heads % t:
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size ({t})")
     kv = shape.num_kv_heads
@@ -66,6 +72,14 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1) -> None:
         raise LayoutError(
             f"num_key_value_heads ({kv}) and tensor_parallel_size ({t}) must divide one another "
             f"(kv heads are split when tp <= {kv}, replicated when tp is a multiple of {kv})")
+    if shape.num_heads % (t * cp):
+        raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size * "
+                          f"context_parallel_size ({t} * {cp}): each context-parallel rank attends with whole heads")
+    kv_t = kv_heads_per_rank(kv, t)
+    if kv_t % cp and cp % kv_t:
+        raise LayoutError(
+            f"the {kv_t} kv heads of a tensor-parallel rank (num_key_value_heads {kv} / tensor_parallel_size {t}) "
+            f"and context_parallel_size ({cp}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
     if shape.num_layers < pp:

@@ -1,15 +1,22 @@
-"""The 3D layout: tensor (t), pipeline (p) and data (d) parallel sizes, and its process groups.
+"""The layout: tensor (t), pipeline (p), data (d) and context (c) parallel sizes, and its process groups.
 
 DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)` orders its axes
 ['pipe', 'data', 'model'], so  rank = pipe * d * t + data * t + model:  TP ranks are neighbours
-(same node on GPU clusters), then DP, then pipeline stages.
+(same node on GPU clusters), then DP, then pipeline stages. Context parallelism adds a 'seq' axis
+between data and model, rank = ((pipe * d + data) * c + seq) * t + model: a CP group's all-to-alls stay
+next to TP (Megatron-LM orders its groups tp-cp-dp-pp the same way).
+
+Sequence parallelism (`sp`) uses the TP group and adds no axis; it is part of the layout because it
+changes the shape of every activation between TP regions, (b, s/(c·t), h).
 """
 
 from dataclasses import dataclass
 
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
 
 from hybrid3d.errors import LayoutError
+
+CONTEXT_AXIS = "seq"
 
 
 @dataclass(frozen=True)
@@ -17,31 +24,41 @@ class ParallelLayout:
     tp: int
     pp: int
     dp: int
+    cp: int = 1
+    sp: bool = False
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp"):
+        for name in ("tp", "pp", "dp", "cp"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
+        if self.sp and self.tp == 1:
+            raise LayoutError("hybrid3d.sequence_parallel needs tensor_parallel_size > 1 (it splits the "
+                              "sequence over the tensor-parallel group)")
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1) -> "ParallelLayout":
-        """Derive dp = world / (tp * pp)."""
-        if tp < 1 or pp < 1:
-            raise LayoutError(f"tensor_parallel_size ({tp}) and pipeline_parallel_size ({pp}) must be >= 1")
-        if world_size % (tp * pp):
-            raise LayoutError(
-                f"world size {world_size} is not divisible by tensor_parallel_size * pipeline_parallel_size "
-                f"= {tp} * {pp} = {tp * pp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp))
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False) -> "ParallelLayout":
+        """Derive dp = world / (tp * pp * cp)."""
+        if tp < 1 or pp < 1 or cp < 1:
+            raise LayoutError(f"tensor_parallel_size ({tp}), pipeline_parallel_size ({pp}) and "
+                              f"context_parallel_size ({cp}) must be >= 1")
+        if world_size % (tp * pp * cp):
+            names = "tensor_parallel_size * pipeline_parallel_size" + (" * context_parallel_size" if cp > 1 else "")
+            sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
+            raise LayoutError(f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}")
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp)
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def name(self) -> str:
-        return f"TP{self.tp}-PP{self.pp}-DP{self.dp}"
+        tp = f"TP{self.tp}" + ("+SP" if self.sp else "")
+        cp = f"-CP{self.cp}" if self.cp > 1 else ""
+        return f"{tp}{cp}-PP{self.pp}-DP{self.dp}"
 
-    def topology(self) -> PipeModelDataParallelTopology:
-        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+    def topology(self) -> ProcessTopology:
+        if self.cp == 1:
+            return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
+        return ProcessTopology(axes=["pipe", "data", CONTEXT_AXIS, "model"], dims=[self.pp, self.dp, self.cp, self.tp])

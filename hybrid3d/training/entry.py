@@ -71,8 +71,8 @@ def prepare(args, overrides, world_size: int) -> Job:
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     on_cpu = get_accelerator().device_name() == "cpu"
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
-    layout = ParallelLayout.for_world(world_size, config.tp, config.pp)
-    check_split(shape, layout.tp, layout.pp)
+    layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp)
+    check_split(shape, layout.tp, layout.pp, layout.cp)
     train, data = hybrid.train, hybrid.data
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
@@ -90,7 +90,8 @@ def prepare(args, overrides, world_size: int) -> Job:
     plan = None
     if hybrid.checkpoint.load:
         structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
-        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure)
+        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure,
+                           cp=layout.cp)
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     hf_weights = None

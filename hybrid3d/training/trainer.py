@@ -2,7 +2,8 @@
 
 - pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1; stage 2 with the
   `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
-- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
+- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2; with context
+  parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
 
 DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
 `build_trainer` calls `deepspeed.checkpointing.configure` with the layout's process groups.
@@ -25,6 +26,7 @@ from hybrid3d.config.run_config import RunConfig, parse_config
 from hybrid3d.ds_internals import pipeline_module_uses_grid, pipeline_zero2
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.pipe import build_pipeline_module
+from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
@@ -114,11 +116,16 @@ class DataParallelTrainer(Trainer):
             return tensor
         return tensor.pin_memory().to(device, non_blocking=True)
 
+    def _inputs(self, batch):
+        """(ids, targets) of the micro-batch, this rank's positions of it, on the engine's device."""
+        cp = self.groups.context_parallel()
+        return tuple(self._to_device(sequence_shard(x, cp)) for x in batch)
+
     def train_step(self, micro_batches):
         losses = []
         for _ in range(self.engine.gradient_accumulation_steps()):
-            ids, targets = next(micro_batches)
-            loss = self.module.loss_fn(self.engine(self._to_device(ids)), self._to_device(targets))
+            ids, targets = self._inputs(next(micro_batches))
+            loss = self.module.loss_fn(self.engine(ids), targets)
             self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             losses.append(loss.detach())
@@ -129,8 +136,8 @@ class DataParallelTrainer(Trainer):
         self.engine.eval()
         with torch.no_grad():
             for _ in range(self.engine.gradient_accumulation_steps()):
-                ids, targets = next(micro_batches)
-                losses.append(self.module.loss_fn(self.engine(self._to_device(ids)), self._to_device(targets)))
+                ids, targets = self._inputs(next(micro_batches))
+                losses.append(self.module.loss_fn(self.engine(ids), targets))
         self.engine.train()
         return self._dp_mean(losses)
 
@@ -151,12 +158,12 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
         on_cpu = get_accelerator().device_name() == "cpu"
         config = parse_config(config, dist.get_world_size(), num_layers=shape.num_layers, on_cpu=on_cpu)
     shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
-    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp)
-    check_split(shape, layout.tp, layout.pp)
+    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp)
+    check_split(shape, layout.tp, layout.pp, layout.cp)
     groups = build_groups(layout)
-    tp = groups.tensor_parallel()
+    tp, cp = groups.tensor_parallel(), groups.context_parallel()
     seed = config.hybrid.seed
-    seed_tensor_parallel_rng(seed, tp.rank)
+    seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ
     configure_activation_checkpointing(groups, config)
 
     if layout.pp > 1:
@@ -165,7 +172,7 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
-                                 checkpoint_fn=checkpoint_fn)
+                                 checkpoint_fn=checkpoint_fn, cp=cp)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.

@@ -20,6 +20,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)
     config = ds_config(run["tp"], run["pp"], run["zero"], **run.get("extra", {}))
+    config["hybrid3d"].update(run.get("hybrid", {}))  # sequence_parallel, context_parallel_size, ...
     if "optimizer" in run:
         config["optimizer"] = run["optimizer"]
     trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())

@@ -75,15 +75,21 @@ def vocab_parallel_cross_entropy(logits, target, tp: TensorParallelGroup, vocab_
     return _VocabParallelCrossEntropy.apply(logits, target, tp, vocab_size, ignore_index)
 
 
-def mean_token_loss(logits, target, tp: TensorParallelGroup, vocab_size: int, ignore_index: int = IGNORE_INDEX):
-    """Mean over non-ignored tokens, as `F.cross_entropy(reduction='mean')` and HF's causal-LM loss.
+def token_loss_sum(logits, target, tp: TensorParallelGroup, vocab_size: int, ignore_index: int = IGNORE_INDEX):
+    """(sum of the per-token losses, number of non-ignored tokens) over (b, s) targets.
 
     Without TP the logits hold the whole vocabulary and torch's fused cross entropy (one log-softmax
     pass, fp32) is the same function at lower cost: the vocab-parallel one makes several passes over the
     (b, s, V) logits to share its sums between ranks."""
-    count = (target != ignore_index).sum().clamp(min=1)  # a batch with no target token gives 0, not NaN
+    count = (target != ignore_index).sum()
     if tp.size == 1:
         z = logits[..., :vocab_size].float()  # (b, s, V): padded columns dropped
-        return F.cross_entropy(z.flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum") / count
-    per_token = vocab_parallel_cross_entropy(logits, target, tp, vocab_size, ignore_index)
-    return per_token.sum() / count
+        return F.cross_entropy(z.flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum"), count
+    return vocab_parallel_cross_entropy(logits, target, tp, vocab_size, ignore_index).sum(), count
+
+
+def mean_token_loss(logits, target, tp: TensorParallelGroup, vocab_size: int, ignore_index: int = IGNORE_INDEX):
+    """Mean over non-ignored tokens, as `F.cross_entropy(reduction='mean')` and HF's causal-LM loss;
+    a batch with no target token gives 0, not NaN."""
+    total, count = token_loss_sum(logits, target, tp, vocab_size, ignore_index)
+    return total / count.clamp(min=1)

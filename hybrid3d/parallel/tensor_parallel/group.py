@@ -1,4 +1,4 @@
-"""The tensor-parallel group as the TP layers see it (no DeepSpeed import: the lowest layer)."""
+"""The process groups as the model's layers see them (no DeepSpeed import: the lowest layer)."""
 
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -12,11 +12,16 @@ class TensorParallelGroup:
     is given (a single-process model gets `TensorParallelGroup.single()`).
     `group` is a torch/DeepSpeed process group (the grid's slice group), or None when
     the model is not tensor-parallel (size 1): then every collective is a no-op.
+
+    `sequence_parallel` (Korthikanti et al. 2022, §4.2.2): outside the TP regions activations are
+    split along the sequence over the same group, (b, s/t, h); the TP layers then all-gather the
+    sequence where Megatron's f copies and reduce-scatter it where g all-reduces.
     """
 
     group: Optional[Any]
     rank: int
     size: int
+    sequence_parallel: bool = False
 
     @classmethod
     def single(cls) -> "TensorParallelGroup":
@@ -27,3 +32,25 @@ class TensorParallelGroup:
             raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of size {self.size}")
         if self.size > 1 and self.group is None:
             raise ValueError(f"a tensor-parallel group of size {self.size} needs a process group")
+        if self.sequence_parallel and self.size == 1:
+            raise ValueError("sequence parallelism needs a tensor-parallel group of size > 1")
+
+
+@dataclass(frozen=True)
+class ContextParallelGroup:
+    """The context-parallel (DeepSpeed-Ulysses) group: the c ranks that each hold s/c of every sequence
+    and exchange attention heads for sequence positions around the attention core."""
+
+    group: Optional[Any]
+    rank: int
+    size: int
+
+    @classmethod
+    def single(cls) -> "ContextParallelGroup":
+        return cls(group=None, rank=0, size=1)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"context-parallel rank {self.rank} is outside a group of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a context-parallel group of size {self.size} needs a process group")

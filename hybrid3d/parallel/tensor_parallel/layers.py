@@ -16,7 +16,12 @@ from torch import nn
 
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
-from hybrid3d.parallel.tensor_parallel.mappings import gather_from_tp_region, reduce_from_tp_region, scatter_to_tp_region
+from hybrid3d.parallel.tensor_parallel.mappings import (
+    gather_from_tp_region,
+    leave_tp_region,
+    replicated_weight,
+    scatter_to_tp_region,
+)
 
 InitMethod = Callable[[torch.Tensor], None]
 
@@ -87,7 +92,8 @@ class RowParallelLinear(nn.Module):
     """y = x A^T with A split by columns (input features) over TP: A = [A_1, ..., A_t].
 
     x: (..., in/t) when `input_is_parallel`, else (..., in) and scattered here;
-    output: (..., out), summed over TP ranks (g operator). The bias is replicated.
+    output: (..., out), summed over TP ranks (g operator); with sequence parallelism reduce-scattered
+    over the sequence, (b, s/t, out). The bias is replicated.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: TensorParallelGroup, *, bias: bool = False,
@@ -110,8 +116,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):  # (..., in/t) -> (..., out)
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
-        y = reduce_from_tp_region(F.linear(x, self.weight), self.tp)
-        return y if self.bias is None else y + self.bias
+        y = leave_tp_region(F.linear(x, self.weight), self.tp)
+        return y if self.bias is None else y + replicated_weight(self.bias, self.tp)
 
     def extra_repr(self):
         return f"in={self.in_features} (/{self.tp.size}), out={self.out_features}, bias={self.bias is not None}"
@@ -130,7 +136,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding with the (padded) vocabulary split in contiguous ranges over TP.
 
     ids: (b, s) -> (b, s, h). Each rank looks up the ids in its range, zeros the rest, and the
-    partial results are summed over TP. Rows past `vocab_size` are padding, initialised to zero.
+    partial results are summed over TP; with sequence parallelism reduce-scattered over the sequence,
+    (b, s/t, h). Rows past `vocab_size` are padding, initialised to zero.
     """
 
     def __init__(self, vocab_size: int, embedding_dim: int, tp: TensorParallelGroup, *, pad_multiple: int = 128,
@@ -153,13 +160,13 @@ class VocabParallelEmbedding(nn.Module):
         init_shard_(self.weight, (self.padded_vocab_size, embedding_dim), 0, tp, init_with_zero_padding)
         mark_tensor_parallel(self.weight, 0)
 
-    def forward(self, ids):  # (b, s) -> (b, s, h)
+    def forward(self, ids):  # (b, s) -> (b, s, h), or (b, s/t, h) with SP
         if self.tp.size == 1:
             return F.embedding(ids, self.weight)
         outside = (ids < self.vocab_start) | (ids >= self.vocab_end)
         local_ids = (ids - self.vocab_start).masked_fill(outside, 0)
         out = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(out, self.tp)
+        return leave_tp_region(out, self.tp)
 
     def extra_repr(self):
         return (f"vocab={self.vocab_size} (padded {self.padded_vocab_size}, /{self.tp.size}), "

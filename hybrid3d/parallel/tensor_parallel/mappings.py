@@ -7,6 +7,13 @@ Megatron-LM (Shoeybi et al. 2019, §3, Fig. 3) names the two conjugate operators
 - `scatter_to_tp_region`: keep this rank's chunk of the last dim forward, all-gather backward.
 - `gather_from_tp_region`: all-gather the last dim forward, keep this rank's chunk backward.
 
+Sequence parallelism (Korthikanti et al. 2022, §4.2.2, Fig. 5) splits the activations between TP
+regions along the sequence, (b, s/t, h), and replaces the pair by its decomposition: an all-reduce is
+a reduce-scatter followed by an all-gather, so g becomes a reduce-scatter over the sequence
+(`reduce_scatter_to_sequence_region`, all-gather backward) and f an all-gather (reduce-scatter
+backward; `column_parallel_linears` folds it into the GEMMs). `all_gather_sequence` and
+`reduce_scatter_sequence` are the collectives themselves, with `async_op` for overlapping them.
+
 All collectives go through `deepspeed.comm` so DeepSpeed's comms logger counts them.
 """
 
@@ -41,6 +48,46 @@ def _gather_last_dim(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     return torch.cat(parts, dim=-1)
 
 
+class Pending:
+    """An asynchronous sequence collective: `wait()` returns its result in (b, s..., ...) layout."""
+
+    def __init__(self, handle, finish):
+        self._handle, self._finish = handle, finish
+
+    def wait(self) -> torch.Tensor:
+        if self._handle is not None:
+            self._handle.wait()
+        return self._finish()
+
+
+def all_gather_sequence(x: torch.Tensor, tp: TensorParallelGroup, async_op: bool = False):
+    """(b, s/t, ...) -> (b, s, ...): this rank's sequence shard gathered over TP (rank order = sequence
+    order). With `async_op` a `Pending`."""
+    x = x.contiguous()
+    # (t·b, s/t, ...): gloo wants the ranks' parts stacked along dim 0 of the output
+    parts = torch.empty((tp.size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+    handle = dist.all_gather_into_tensor(parts, x, group=tp.group, async_op=async_op)
+
+    def finish():
+        stacked = parts.view(tp.size, *x.shape)  # (t, b, s/t, ...)
+        return stacked.transpose(0, 1).reshape(x.shape[0], tp.size * x.shape[1], *x.shape[2:])  # (b, s, ...)
+
+    return Pending(handle, finish) if async_op else finish()
+
+
+def reduce_scatter_sequence(x: torch.Tensor, tp: TensorParallelGroup, async_op: bool = False):
+    """(b, s, ...) partial sums -> (b, s/t, ...): summed over TP, this rank's sequence shard kept.
+    With `async_op` a `Pending`."""
+    b, s = x.shape[:2]
+    if s % tp.size:
+        raise ValueError(f"sequence length {s} is not divisible by tensor-parallel size {tp.size}")
+    parts = x.reshape(b, tp.size, s // tp.size, *x.shape[2:]).transpose(0, 1).contiguous()  # (t, b, s/t, ...)
+    out = torch.empty(parts.shape[1:], dtype=x.dtype, device=x.device)  # (b, s/t, ...)
+    parts = parts.view(tp.size * b, *parts.shape[2:])  # (t·b, s/t, ...): rank r's part is rows [r·b, (r+1)·b)
+    handle = dist.reduce_scatter_tensor(out, parts, group=tp.group, async_op=async_op)
+    return Pending(handle, lambda: out) if async_op else out
+
+
 class _CopyToTPRegion(torch.autograd.Function):
     """f: identity forward, all-reduce of the input gradient backward."""
 
@@ -68,6 +115,19 @@ class _ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad, None
+
+
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
+    """g with sequence parallelism: reduce-scatter over the sequence forward, all-gather backward."""
+
+    @staticmethod
+    def forward(ctx, x, tp):  # (b, s, h) partial sums -> (b, s/t, h)
+        ctx.tp = tp
+        return reduce_scatter_sequence(x, tp)
+
+    @staticmethod
+    def backward(ctx, grad):  # (b, s/t, h) -> (b, s, h)
+        return all_gather_sequence(grad, ctx.tp), None
 
 
 class _ScatterToTPRegion(torch.autograd.Function):
@@ -98,6 +158,24 @@ def copy_to_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
 
 def reduce_from_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
     return x if tp.size == 1 else _ReduceFromTPRegion.apply(x, tp)
+
+
+def reduce_scatter_to_sequence_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    return x if tp.size == 1 else _ReduceScatterToSequenceRegion.apply(x, tp)
+
+
+def leave_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """g, the end of a row-parallel region: the all-reduce, or with sequence parallelism its
+    reduce-scatter over the sequence. (b, s, h) partial sums -> (b, s, h) or (b, s/t, h)."""
+    return reduce_scatter_to_sequence_region(x, tp) if tp.sequence_parallel else reduce_from_tp_region(x, tp)
+
+
+def replicated_weight(weight: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+    """A weight replicated over TP, used on a sequence shard: with sequence parallelism each rank's
+    gradient covers its s/t tokens only, so backward sums it over TP (f on the weight) before the
+    optimizer or ZeRO's hooks see it. DeepSpeed's optimizers do not do this (Megatron does it in its
+    own optimizer: Megatron-DeepSpeed issue 170). Without SP the weight itself."""
+    return copy_to_tp_region(weight, tp) if tp.sequence_parallel else weight
 
 
 def scatter_to_tp_region(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:

@@ -1,0 +1,36 @@
+"""Context parallelism's two rules outside attention: which positions a rank holds, and how the loss
+of a sequence split over c ranks is assembled (DeepSpeed-Ulysses, Jacobs et al. 2023).
+
+Each of the c ranks of a context-parallel group holds the contiguous positions [r·s/c, (r+1)·s/c) of
+every sequence of its data-parallel shard. DeepSpeed sums gradients over the c ranks and averages over
+data parallel only (`runtime/zero/stage_1_and_2.py` and `runtime/engine.py` divide by the sequence-data-
+parallel size / c), so each rank's loss must carry its share of the sequence's gradient: the local token
+loss sum over the whole sequence's token count. Its value is the whole sequence's mean, so what the job
+logs does not depend on c.
+"""
+
+import deepspeed.comm as dist
+import torch
+
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup
+
+
+def sequence_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
+    """(b, s, ...) -> (b, s/c, ...): this rank's contiguous positions."""
+    if cp.size == 1:
+        return x
+    s = x.shape[1]
+    if s % cp.size:
+        raise ValueError(f"sequence length {s} is not divisible by context_parallel_size {cp.size}")
+    return x[:, cp.rank * s // cp.size:(cp.rank + 1) * s // cp.size].contiguous()
+
+
+def sequence_mean(local_sum: torch.Tensor, local_count: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
+    """The mean token loss of sequences split over cp: the value is Σ_ranks sum / Σ_ranks count, the
+    gradient flows through this rank's sum only, scaled by 1 / Σ count (0 for a batch with no target)."""
+    if cp.size == 1:
+        return local_sum / local_count.clamp(min=1)
+    totals = torch.stack((local_sum.detach().float(), local_count.float()))  # (2,)
+    dist.all_reduce(totals, group=cp.group)
+    others = totals[0] - local_sum.detach()
+    return (local_sum + others) / totals[1].clamp(min=1)
