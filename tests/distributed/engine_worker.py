@@ -27,9 +27,11 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     del hf
 
     block_forwards = [0]
+    block_inputs = set()  # shapes of the decoder blocks' inputs: (b, s/(c·t), h) with SP and CP
     for module in trainer.module.modules():
         if isinstance(module, DecoderBlock):
             module.register_forward_hook(lambda *_: block_forwards.__setitem__(0, block_forwards[0] + 1))
+            module.register_forward_pre_hook(lambda _, args: block_inputs.add(tuple(args[0].shape)))
 
     dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
     losses, forwards_per_step = [], []
@@ -45,6 +47,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
         "forwards_per_step": forwards_per_step,
+        "block_inputs": sorted(block_inputs),
         "optimizer": type(optimizer).__name__,
         "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),

@@ -10,6 +10,7 @@ import pytest
 from hybrid3d.config.overrides import apply_overrides
 from hybrid3d.config.run_config import parse_config
 
+from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
 from hybrid3d.parallel.layout import ParallelLayout
@@ -79,6 +80,27 @@ BAD_INPUTS = [
      None, [], 4, "hybrid3d.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16"),
     ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
+    # Sequence and context parallelism: the combinations that cannot work.
+    ("sp-without-tp", lambda c: h(c).update(tensor_parallel_size=1, sequence_parallel=True), None, [], 2,
+     "hybrid3d.sequence_parallel needs hybrid3d.tensor_parallel_size > 1"),
+    ("sp-partition-activations", lambda c: (h(c).update(sequence_parallel=True),
+                                            c.update(activation_checkpointing={"partition_activations": True})),
+     None, [], 4, "activation_checkpointing.partition_activations cannot be combined with hybrid3d.sequence_parallel"),
+    ("sp-pipe-partitioned", lambda c: (h(c).update(sequence_parallel=True), c.update(pipeline={"pipe_partitioned": True})),
+     None, [], 4, "pipeline.pipe_partitioned=true cannot be combined with hybrid3d.sequence_parallel"),
+    ("cp-with-pipeline", lambda c: h(c).update(context_parallel_size=2), None, [], 8,
+     "hybrid3d.context_parallel_size > 1 cannot run with hybrid3d.pipeline_parallel_size > 1"),
+    ("cp-world-not-divisible", lambda c: h(c).update(context_parallel_size=2, pipeline_parallel_size=1), None, [], 6,
+     "world size 6 is not divisible by hybrid3d.tensor_parallel_size * hybrid3d.pipeline_parallel_size * "
+     "hybrid3d.context_parallel_size = 2 * 1 * 2"),
+    ("seq-not-divisible-by-cp-tp", lambda c: (h(c).update(context_parallel_size=2, pipeline_parallel_size=1,
+                                                          sequence_parallel=True), h(c)["data"].update(seq_length=130)),
+     None, [], 4, "hybrid3d.data.seq_length (130) is not divisible by context_parallel_size (2) * "
+                  "tensor_parallel_size (2, sequence_parallel)"),
+    ("heads-not-divisible-by-tp-cp", lambda c: h(c).update(context_parallel_size=4, pipeline_parallel_size=1), None, [],
+     8, "num_attention_heads (4) is not divisible by tensor_parallel_size * context_parallel_size (2 * 4)"),
+    ("cp-zero-value", lambda c: h(c).update(context_parallel_size=0), None, [], 4,
+     "hybrid3d.context_parallel_size must be >= 1, got 0"),
 ]
 
 
@@ -91,6 +113,19 @@ def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, case, ed
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err and needle in err, err
     assert not (tmp_path / "out").exists()
+
+
+def test_kv_heads_and_context_parallel_size_must_divide_one_another():
+    from transformers import LlamaConfig
+
+    shape = LlamaShape.from_hf(LlamaConfig(hidden_size=96, num_attention_heads=12, num_key_value_heads=3,
+                                           intermediate_size=48, num_hidden_layers=2, vocab_size=64))
+    check_split(shape, 1, 1, cp=3)  # 3 kv heads over 3 ranks
+    check_split(shape, 3, 1, cp=2)  # 1 kv head per TP rank, repeated for 2 CP ranks
+    with pytest.raises(LayoutError) as err:
+        check_split(shape, 1, 1, cp=2)
+    assert str(err.value) == ("the 3 kv heads of a tensor-parallel rank (num_key_value_heads 3 / tensor_parallel_size 1) "
+                              "and context_parallel_size (2) must divide one another")
 
 
 def test_missing_config_file(tmp_path, capsys, monkeypatch):
