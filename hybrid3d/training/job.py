@@ -32,8 +32,9 @@ from hybrid3d.training.signals import StopRequest
 from hybrid3d.training.step_policies import EvalSchedule, NonFinitePolicy, SaveSchedule
 from hybrid3d.training.watchdog import Watchdog
 
-# DeepSpeed's ZeRO-1 all-gather calls a deprecated torch alias once per step on every rank.
+# DeepSpeed's ZeRO-1 all-gather and its reduce-scatter (sequence parallelism) call deprecated torch aliases.
 warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*", category=FutureWarning)
 
 
 def rank0_first(fn, rank: int):
@@ -60,18 +61,28 @@ def layout_summary(trainer) -> list[str]:
     else:
         first, last = 0, len(module.layers) - 1
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
-                 dp=trainer.groups.get_data_parallel_rank(), first=int(first), last=int(last),
+                 dp=trainer.groups.get_data_parallel_rank(), cp=trainer.groups.get_sequence_parallel_rank(),
+                 first=int(first), last=int(last),
                  params=sum(p.numel() for p in module.parameters()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     lines = []
     for stage in range(trainer.layout.pp):
-        ranks = [r for r in everyone if r["stage"] == stage and r["dp"] == 0]
+        ranks = [r for r in everyone if r["stage"] == stage and r["dp"] == 0 and r["cp"] == 0]
         r0 = ranks[0]
         lines.append(f"  stage {stage}: layers {r0['first']}-{r0['last']}, "
                      f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
                      f"in the stage)")
     return lines
+
+
+def sequence_split(layout, seq: int) -> str:
+    """How a sequence is split over ranks, for the layout line ('' when it is not)."""
+    parts = ([f"context_parallel_size {layout.cp}"] if layout.cp > 1 else []) + (
+        [f"sequence_parallel over TP{layout.tp}"] if layout.sp else [])
+    if not parts:
+        return ""
+    return f" ({seq // (layout.cp * (layout.tp if layout.sp else 1))} tokens per rank: {', '.join(parts)})"
 
 
 def evaluate(trainer, data, job, dp_rank) -> float:
@@ -155,7 +166,8 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     dp_rank = trainer.groups.get_data_parallel_rank()
     info(f"layout {layout.name}: {job.shape.num_layers} decoder layers, ZeRO stage {config.zero_stage}, "
          f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
-         f"= {config.ds_config['train_batch_size']} sequences of {hybrid.data.seq_length} tokens", is_rank0)
+         f"= {config.ds_config['train_batch_size']} sequences of {hybrid.data.seq_length} tokens"
+         f"{sequence_split(layout, hybrid.data.seq_length)}", is_rank0)
     for line in layout_summary(trainer):
         info(line, is_rank0)
 

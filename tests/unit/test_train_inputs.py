@@ -145,7 +145,7 @@ def test_overrides_route_to_the_right_section():
 
 # Each shipped config at the world size it is written for.
 SHIPPED = {"cpu_demo.json": 4, "zero1_pipeline.json": 4, "zero2_tp_dp.json": 4, "activation_checkpointing.json": 4,
-           "bf16_fp32_masters.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64}
+           "bf16_fp32_masters.json": 4, "cpu_long_sequence.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64}
 
 
 def test_every_shipped_config_is_listed():
@@ -155,10 +155,13 @@ def test_every_shipped_config_is_listed():
 @pytest.mark.parametrize("name, world", SHIPPED.items())
 def test_shipped_config_is_valid(name, world):
     raw = json.loads((REPO / "ds_configs" / name).read_text())
-    shape = LlamaShape.from_hf(preset_config(raw["hybrid3d"]["model"]["preset"]))
+    config = preset_config(raw["hybrid3d"]["model"]["preset"])
+    for key, value in raw["hybrid3d"]["model"].get("config_overrides", {}).items():
+        setattr(config, key, value)
+    shape = LlamaShape.from_hf(config)
     parsed = parse_config(raw, world, num_layers=shape.num_layers, on_cpu=False)
-    layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp)
-    check_split(shape, layout.tp, layout.pp)
+    layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp, parsed.cp, parsed.sp)
+    check_split(shape, layout.tp, layout.pp, layout.cp)
     ds = parsed.ds_config
     assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp
     assert parsed.hybrid.data.seq_length <= shape.max_position_embeddings
