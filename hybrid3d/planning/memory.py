@@ -2,7 +2,8 @@
 
 Letters: Ψ parameters (on this rank), Nd data-parallel degree, K optimizer bytes per parameter,
 b micro-batch, s sequence, h hidden, a heads, f intermediate (SwiGLU), V vocabulary, L layers,
-t tensor-parallel degree, p pipeline stages, m micro-batches per step (GAS), B reduce_bucket_size.
+t tensor-parallel degree, p pipeline stages, m micro-batches per step (GAS), B reduce_bucket_size,
+c context-parallel degree.
 
 Model states — ZeRO paper (Rajbhandari et al. 2020, §5, Fig. 1) with mixed precision and Adam (K = 12):
     DP: (2 + 2 + K)·Ψ      ZeRO-1 (P_os): 4Ψ + K·Ψ/Nd      ZeRO-2 (P_os+g): 2Ψ + (2 + K)·Ψ/Nd
@@ -35,15 +36,13 @@ then (`_pipeline_zero2_grads` replays the bucketing).
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
 count of one TP rank of one pipeline stage (`stage_parameter_numels`).
 
-Activations — Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
-Models", §4, Eq. 1-2) give sbh(34 + 5as/h) bytes per GPT layer, sbh(10 + 24/t + 5as/(ht)) with TP and
-no sequence parallelism. `activation_bytes_per_layer` adapts that count to this Llama: no dropout
-(no masks), RMSNorm, SwiGLU (4 tensors of sbf/t: gate out, up out, silu out, down in), GQA (K and V
-are sbk/t wide, k = kv heads · head dim, or one head per rank when t > kv heads) and a fused SDPA
-kernel that keeps an fp32 log-sum-exp (4·asb/t) instead of the 5as²b/t score terms (Korthikanti's
-"selective recomputation" of attention, §4.2). With full checkpointing each layer keeps only its
-input (2sbh; 2sbh/t with `partition_activations`) plus one recomputed layer. 1F1B keeps
-min(p - stage, m) micro-batches in flight on a stage (Narayanan et al. 2021, §2.2).
+With context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) the c ranks of a CP group hold the
+same parameters (one TP shard of one stage), and ZeRO partitions over DeepSpeed's sequence-data-parallel
+group (`seq_data_parallel_group`; the gradients are reduced over it too) of d·c ranks: Nd = d·c in every
+formula above, and callers pass nd = dp = d·c (the planner does). Ψ does not depend on c; sequence
+parallelism changes neither Ψ nor Nd.
+
+Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP and CP), re-exported here.
 """
 
 import math
@@ -53,6 +52,13 @@ from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import stage_bounds
 from hybrid3d.model.tp_plan import kv_rows_per_rank
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
+from hybrid3d.planning.activations import (  # noqa: F401 (re-exported: the memory model's public names)
+    activation_bytes,
+    activation_bytes_per_layer,
+    in_flight_micro_batches,
+    output_layer_activation_bytes,
+    stage_layer_count,
+)
 
 PRECISIONS = ("fp32", "bf16", "bf16+fp32acc")
 TORCH, UNFUSED, BF16_OPT, ZERO_OPT = "torch", "FP16_UnfusedOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer"
@@ -298,57 +304,8 @@ def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int],
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
                       dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
                       pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
-    """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp."""
+    """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp; with context
+    parallelism pass dp = d·c (ZeRO partitions over the sequence-data-parallel group) and a dp_rank in it."""
     numels = stage_parameter_numels(shape, tp, pp, stage)
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
                                     pipeline_zero2, deferred_fraction)
-
-
-# ---------------------------------------------------------------- activations
-
-
-def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True) -> float:
-    """Bytes one decoder block keeps for backward per micro-batch (bf16; adaptation in the module docstring).
-
-    replicated over TP: 2 norm inputs + q/k/v input + gate/up input = 8sbh;
-    sharded: Q 2sbh/t, K and V 2·2sbk/t, attention output 2sbh/t, SwiGLU 4·2sbf/t;
-    attention core: fp32 log-sum-exp 4asb/t (fused kernel) or softmax 2as²b/t (unfused)."""
-    h, a, f = shape.hidden_size, shape.num_heads, shape.intermediate_size
-    k = kv_rows_per_rank(shape, t)
-    replicated = 8 * s * b * h
-    sharded = 2 * s * b * h / t + 2 * 2 * s * b * k + 2 * s * b * h / t + 4 * 2 * s * b * f / t
-    core = 4 * a * s * b / t if flash_attention else 2 * a * s * s * b / t
-    return replicated + sharded + core
-
-
-def output_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int) -> float:
-    """Last stage, per micro-batch: final-norm input and head input (2·2sbh), bf16 logits (2sbV/t) and
-    the fp32 softmax the vocab-parallel cross entropy keeps (4sbV/t)."""
-    v = padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple)
-    return 4 * s * b * shape.hidden_size + 6 * s * b * v / t
-
-
-def in_flight_micro_batches(pp: int, stage: int, gas: int) -> int:
-    """Micro-batches whose activations a 1F1B stage holds at once: min(p - stage, m)."""
-    return min(pp - stage, gas) if pp > 1 else 1
-
-
-def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
-    bounds = stage_bounds(shape.num_layers, pp)
-    return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
-
-
-def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
-                     checkpointing: bool = False, partition_activations: bool = False,
-                     flash_attention: bool = True) -> float:
-    """Activation bytes of one rank of `stage`: in-flight micro-batches x (its layers' activations, or
-    with checkpointing their inputs) + with checkpointing one layer being recomputed."""
-    layers = stage_layer_count(shape, pp, stage)
-    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention)
-    last = stage == pp - 1
-    extra = output_layer_activation_bytes(shape, b, s, tp) if last else 0.0
-    if checkpointing:
-        kept = 2 * s * b * shape.hidden_size / (tp if partition_activations else 1)
-        per_micro = layers * kept + extra
-        return in_flight_micro_batches(pp, stage, gas) * per_micro + per_layer
-    return in_flight_micro_batches(pp, stage, gas) * (layers * per_layer + extra)

@@ -8,11 +8,34 @@ b·s·h (first stage), the LM head's backward all-reduce of b·s·h and the cros
 all-reduces of b·s (last stage), and, when t > kv heads, the backward all-reduce of the replicated
 k/v weight gradients. Recomputation repeats the forward all-reduces.
 
+Sequence parallelism (SP, Korthikanti et al. 2022, §4.2.2) replaces each all-reduce pair by its halves
+over the sequence. Let x = b·(s/c)·h·(bytes per element), one rank's sequence chunk, whole hidden. Logged
+per micro-batch on a TP rank (all_gather_into_tensor logs its input shard x/t, reduce_scatter_tensor
+its full input x): each decoder block forward 2 all-gathers of x/t (before q/k/v and gate/up) + 2
+reduce-scatters of x (after o_proj and down_proj); backward 4 all-gathers of x/t (the 2 saved shards
+re-gathered for the weight gradients, the 2 row-parallel outputs' gradients) + 2 reduce-scatters of x
+(the input gradients of q/k/v and gate/up) + 2 all-reduces of h (the RMSNorm weight gradients: the
+weights are replicated over TP but each rank saw only its shard). Embedding (first stage): forward
+reduce-scatter x, backward all-gather x/t. Last stage: the head all-gathers x/t forward and backward
+and reduce-scatters x backward, the final norm's weight gradient is all-reduced, the cross entropy is
+unchanged (3 fp32 all-reduces of b·s/c). Recomputation repeats the blocks' 2 all-gathers + 2
+reduce-scatters. In ring bus bytes (`tp_bus_bytes`) SP's forward reduce-scatter + all-gather equal
+TP's all-reduce; the backward re-gathers, 2 all-gathers of x/t per block, are the only extra.
+
+Context parallelism (CP, DeepSpeed-Ulysses, Jacobs et al. 2023, §3; `deepspeed.sequence.layer.
+DistributedAttention`, all_to_all_single over the c ranks of a CP group): per decoder block and
+micro-batch, forward 4 all-to-alls — q (b·(s/c)·(a/t)·d_h), k and v (b·(s/c)·k_c·d_h each, k_c the kv
+heads after repetition, `activations.cp_kv_heads`) and the attention output (as q) — and the same 4
+backward; recomputation repeats the forward ones (`cp_bytes_per_step`). The loss adds one all-reduce of
+2 fp32 per micro-batch (`cp_loss_bytes_per_step`). Without SP the TP all-reduces
+above are over b·(s/c)·h.
+
 Data parallelism (Rajbhandari et al. 2020, §7): a plain all-reduce of Ψ gradients moves 2Ψ per rank
 (reduce-scatter + all-gather). DeepSpeed 0.19 logs: ZeRO-0 one all-reduce of Ψ; ZeRO-1 an all-reduce
 of Ψ then an all-gather of the Ψ/Nd updated partition; ZeRO-2 an all-reduce of Ψ per micro-batch
 (it reduces during every backward) plus the all-gather — it all-reduces where the paper reduce-scatters.
-bf16 ZeRO-0 with a pipeline (BF16_Optimizer, master sharded over DP) also all-gathers.
+bf16 ZeRO-0 with a pipeline (BF16_Optimizer, master sharded over DP) also all-gathers. With CP the
+group is DeepSpeed's sequence-data-parallel group of d·c ranks: callers pass dp = d·c.
 
 Pipeline (Narayanan et al. 2021, §3.2; DeepSpeed 0.19.8 `runtime/pipe/engine.py`, 1F1B `TrainSchedule`): per
 micro-batch each stage boundary carries the (b, s, h) activation forward (`_exec_send_activations` ->
@@ -28,57 +51,114 @@ all-gather over the TP group (`runtime/utils.py: PartitionedTensor.full`), the "
   - the sending stage gathers the gradient it received (`_exec_backward_pass`, grad_partitioned only).
 So a stage with both neighbours logs 3 all-gathers of b·s·h/t per micro-batch, the first 2, the last 1:
 as measured in benchmarks/results/2026-11-30-vm/rows.csv (S-TP2xPP2: `pp_gather` 262144 / 131072 bytes).
+With SP hybrid3d turns both partitionings off (`"pipeline": {"pipe_partitioned": false, "grad_partitioned":
+false}`): each TP rank already holds a (b, s/t, h) sequence shard and sends just that, b·s·h/t elements,
+with no pipeline all-gather.
 """
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import kv_heads_split
-from hybrid3d.planning.memory import (
-    TORCH,
-    UNFUSED,
-    aligned_numel,
-    optimizer_wrapper,
-    stage_layer_count,
-    stage_parameter_numels,
-)
+from hybrid3d.planning.activations import cp_kv_heads, sequence_chunk, stage_layer_count
+from hybrid3d.planning.memory import TORCH, UNFUSED, aligned_numel, optimizer_wrapper, stage_parameter_numels
+
+TP_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
+
+
+def tp_bytes_by_op(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int, act_bytes: int = 2,
+                   recompute: bool = False, sequence_parallel: bool = False, cp: int = 1) -> dict:
+    """Logged TP-collective bytes of one TP rank of `stage` per step, by op (TP_OPS; all 0 when tp == 1):
+    the all-reduces of plain TP, or SP's all-gathers (input shard x/t), reduce-scatters (input x) and
+    RMSNorm weight-gradient all-reduces (module docstring), x = b·(s/c)·h·act_bytes."""
+    ops = dict.fromkeys(TP_OPS, 0)
+    if tp == 1:
+        sequence_chunk(s, tp, sequence_parallel, cp)
+        return ops
+    h = shape.hidden_size
+    s_c = sequence_chunk(s, tp, sequence_parallel, cp)
+    x = b * s_c * h * act_bytes
+    layers = stage_layer_count(shape, pp, stage)
+    first, last = stage == 0, stage == pp - 1
+    cross_entropy = 3 * b * s_c * 4 if last else 0  # fp32: the max, then target logit and sum of exps in one
+    kv_grads = 0
+    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v: their weight gradients are summed over TP
+        kv_grads = layers * 2 * shape.num_kv_heads * shape.head_dim * h * act_bytes
+    if not sequence_parallel:
+        forward = 2 * layers * x + (x if first else 0) + cross_entropy
+        backward = 2 * layers * x + (x if last else 0) + kv_grads  # last: LM head input gradient (f)
+        ops["all_reduce"] = gas * (forward * (2 if recompute else 1) + backward)
+        return ops
+    shard = b * (s_c // tp) * h * act_bytes
+    repeat = 2 if recompute else 0  # the blocks' forward all-gathers and reduce-scatters, again
+    gathers = layers * (2 + 4 + repeat) + (1 if first else 0) + (2 if last else 0)
+    scatters = layers * (2 + 2 + repeat) + (1 if first else 0) + (1 if last else 0)
+    norms = (2 * layers + (1 if last else 0)) * h * act_bytes  # RMSNorm weight gradients
+    ops["all_gather_into_tensor"] = gas * gathers * shard
+    ops["reduce_scatter_tensor"] = gas * scatters * x
+    ops["all_reduce"] = gas * (norms + cross_entropy + kv_grads)
+    return ops
 
 
 def tp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
+                      act_bytes: int = 2, recompute: bool = False, sequence_parallel: bool = False,
+                      cp: int = 1) -> int:
+    """Logged TP-collective bytes of one TP rank of `stage` per step (0 when tp == 1): `tp_bytes_by_op` summed."""
+    return sum(tp_bytes_by_op(shape, b, s, tp, pp, stage, gas, act_bytes, recompute, sequence_parallel, cp).values())
+
+
+def tp_bus_bytes(by_op: dict, t: int) -> float:
+    """Ring bus bytes per rank of logged bytes `by_op` over t ranks: an all-reduce of n moves 2n(t-1)/t, a
+    reduce-scatter of input n moves n(t-1)/t, an all-gather of input shard m moves m(t-1) (`utils/
+    comms_logging.py: calc_bw_log`). So SP's reduce-scatter of x + all-gather of x/t move 2x(t-1)/t, an
+    all-reduce of x: SP's forward costs TP's, its backward re-gathers (2 all-gathers of x/t a block) are extra."""
+    return (2 * by_op.get("all_reduce", 0) * (t - 1) / t + by_op.get("reduce_scatter_tensor", 0) * (t - 1) / t
+            + by_op.get("all_gather_into_tensor", 0) * (t - 1))
+
+
+def cp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, cp: int, pp: int, stage: int, gas: int,
                       act_bytes: int = 2, recompute: bool = False) -> int:
-    """Logged all-reduce bytes of one TP rank of `stage` per step (0 when tp == 1)."""
-    if tp == 1:
+    """Logged all_to_all_single bytes of one rank of `stage` per step (0 when cp == 1): per block and
+    micro-batch 4 forward (q, k, v, output) + 4 backward (+ 4 recomputed), q and output b·(s/c)·(a/t)·d_h,
+    k and v b·(s/c)·k_c·d_h elements each (module docstring)."""
+    if cp == 1:
         return 0
-    h = shape.hidden_size
-    bsh = b * s * h * act_bytes
-    layers = stage_layer_count(shape, pp, stage)
-    forward = 2 * layers * bsh + (bsh if stage == 0 else 0)
-    backward = 2 * layers * bsh
-    if stage == pp - 1:
-        backward += bsh  # LM head input gradient (f)
-        forward += 3 * b * s * 4  # cross entropy (fp32): the max, then target logit and sum of exps in one
-    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v: their weight gradients are summed
-        backward += layers * 2 * shape.num_kv_heads * shape.head_dim * h * act_bytes
-    per_micro = forward * (2 if recompute else 1) + backward
-    return gas * per_micro
+    s_c, d = sequence_chunk(s, tp, False, cp), shape.head_dim
+    q = b * s_c * (shape.num_heads // tp) * d
+    kv = b * s_c * cp_kv_heads(shape, tp, cp) * d
+    passes = 3 if recompute else 2
+    return gas * stage_layer_count(shape, pp, stage) * passes * (2 * q + 2 * kv) * act_bytes
+
+
+def cp_loss_bytes_per_step(cp: int, gas: int) -> int:
+    """Logged all_reduce bytes of the loss over the CP group per step: the (sum, count) pair in fp32, once
+    per micro-batch (`parallel.context_parallel.sequence_mean`); 0 when cp == 1."""
+    return 2 * 4 * gas if cp > 1 else 0
 
 
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,
                       precision: str = "bf16") -> int:
-    """Logged DP-collective bytes of one rank per step. Every wrapper that shards the fp32 master
-    (all but the torch optimizer and FP16_UnfusedOptimizer, see `memory.optimizer_wrapper`) all-gathers
-    the updated Ψ/Nd partition. DeepSpeed issues the gradient all-reduce also over a group of one
-    rank (dp = 1), where it moves nothing; the all-gather it skips."""
+    """Logged DP-collective bytes of one rank per step. dp is the group ZeRO and the gradient reduction
+    span: d, or d·c with CP (DeepSpeed's sequence-data-parallel group; callers pass dp = d·c). Every
+    wrapper that shards the fp32 master (all but the torch optimizer and FP16_UnfusedOptimizer, see
+    `memory.optimizer_wrapper`) all-gathers the updated Ψ/Nd partition. With `grad_accum_dtype` fp32
+    (precision "bf16+fp32acc") the gradients are reduced in fp32 (measured: tests/distributed/
+    test_sequence_parallel.py), the parameters gathered in bf16. DeepSpeed issues the gradient
+    all-reduce also over a group of one rank (dp = 1), where it moves nothing; the all-gather it skips."""
     psi = sum(stage_parameter_numels(shape, tp, pp, stage))
-    lp = 4 if precision == "fp32" else 2
-    reduce = psi * lp * (gas if zero == 2 else 1)
+    lp = 4 if precision == "fp32" else 2  # parameter bytes: what the all-gather moves
+    grad_bytes = 4 if precision in ("fp32", "bf16+fp32acc") else 2  # fp32 accumulation reduces fp32 gradients
+    reduce = psi * grad_bytes * (gas if zero == 2 else 1)
     sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
     gather = aligned_numel(psi, dp) // dp * lp if sharded and dp > 1 else 0
     return reduce + gather
 
 
 def pp_message_bytes(shape: LlamaShape, b: int, s: int, tp: int, act_bytes: int = 2,
-                     partitioned: bool = True) -> int:
+                     partitioned: bool = True, sequence_parallel: bool = False) -> int:
     """One activation or gradient message of one rank at a stage boundary: (b, s, h), or its 1/t slice
-    (b·s·h/t elements, h is a multiple of t) when partitioned and t > 1."""
+    (b·s·h/t elements, h is a multiple of t) when partitioned and t > 1, or with SP the rank's (b, s/t, h)
+    sequence shard (b·s·h/t elements; `partitioned` is then off and ignored)."""
+    if sequence_parallel:
+        return b * (sequence_chunk(s, tp, True) // tp) * shape.hidden_size * act_bytes
     elements = b * s * shape.hidden_size
     return (elements // tp if partitioned and tp > 1 else elements) * act_bytes
 
@@ -97,28 +177,34 @@ def pipe_boundaries(pp: int, stage: int) -> int:
 
 
 def pp_boundary_bytes(shape: LlamaShape, b: int, s: int, tp: int, act_bytes: int = 2,
-                      pipe_partitioned: bool = True, grad_partitioned: bool = True) -> int:
+                      pipe_partitioned: bool = True, grad_partitioned: bool = True,
+                      sequence_parallel: bool = False) -> int:
     """Bytes one rank exchanges with one neighbouring stage per micro-batch: the activation one way and
-    its gradient the other (one sent, one received)."""
+    its gradient the other (one sent, one received); with SP two (b, s/t, h) shards."""
+    if sequence_parallel:
+        return 2 * pp_message_bytes(shape, b, s, tp, act_bytes, sequence_parallel=True)
     _check_partitioning(pipe_partitioned, grad_partitioned)
     return (pp_message_bytes(shape, b, s, tp, act_bytes, pipe_partitioned)
             + pp_message_bytes(shape, b, s, tp, act_bytes, grad_partitioned))
 
 
 def pp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
-                      act_bytes: int = 2, pipe_partitioned: bool = True, grad_partitioned: bool = True) -> int:
+                      act_bytes: int = 2, pipe_partitioned: bool = True, grad_partitioned: bool = True,
+                      sequence_parallel: bool = False) -> int:
     """Logged send + recv bytes of one rank per step (meta tensors left out): at each of the stage's
-    boundaries, per micro-batch, the activation and its gradient, each 1/t of b·s·h when partitioned."""
-    boundary = pp_boundary_bytes(shape, b, s, tp, act_bytes, pipe_partitioned, grad_partitioned)
+    boundaries, per micro-batch, the activation and its gradient, each 1/t of b·s·h when partitioned or SP."""
+    boundary = pp_boundary_bytes(shape, b, s, tp, act_bytes, pipe_partitioned, grad_partitioned, sequence_parallel)
     return gas * pipe_boundaries(pp, stage) * boundary
 
 
 def pp_gather_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
                              act_bytes: int = 2, pipe_partitioned: bool = True,
-                             grad_partitioned: bool = True) -> int:
+                             grad_partitioned: bool = True, sequence_parallel: bool = False) -> int:
     """Logged pipeline all-gather bytes (the input slice, b·s·h/t) of one TP rank of `stage` per step:
     the stage's input and its own output when activations are partitioned, the received gradient when
-    gradients are (see the module docstring). 0 without a pipeline or without TP."""
+    gradients are (see the module docstring). 0 without a pipeline, without TP or with SP (no partitioning)."""
+    if sequence_parallel:
+        return 0
     _check_partitioning(pipe_partitioned, grad_partitioned)
     if pp == 1 or tp == 1:
         return 0

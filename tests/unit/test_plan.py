@@ -1,4 +1,5 @@
-"""The layout planner: feasible layouts for Llama 3 8B on 8 x 80 GB, refusals with reasons, CLI errors."""
+"""The layout planner: feasible layouts for Llama 3 8B on 8 x 80 GB, refusals with reasons, CLI errors;
+sequence and context parallelism, the longest-sequence search."""
 
 import subprocess
 import sys
@@ -7,7 +8,17 @@ import pytest
 
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.planning.planner import Cluster, main, plan
+from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
+from hybrid3d.planning.planner import (
+    Cluster,
+    estimate_step_time,
+    evaluate,
+    layout_refusal,
+    longest_sequence,
+    main,
+    plan,
+    sequence_unit,
+)
 
 PSI_8B = 8_030_261_248  # Llama 3 8B parameters
 
@@ -69,3 +80,79 @@ def test_cli_process_exit_code(tmp_path):
     assert result.returncode == 2
     assert result.stderr.strip().splitlines()[-1].startswith("error: ")
     assert "Traceback" not in result.stderr
+
+
+def test_context_parallelism_refusals(llama3_8b):
+    one_node = Cluster(gpus=64, gpu_memory_gb=80, gpus_per_node=64)
+    assert "needs pp = 1" in layout_refusal(llama3_8b, 1, 2, one_node, cp=2)
+    heads = layout_refusal(llama3_8b, 8, 1, one_node, cp=8)
+    assert "num_attention_heads (32) is not divisible by tensor_parallel_size * context_parallel_size" in heads
+    assert "tp·cp = 16 > 8 GPUs per node" in layout_refusal(llama3_8b, 2, 1, Cluster(gpus=64, gpu_memory_gb=80), cp=8)
+    assert layout_refusal(llama3_8b, 2, 1, one_node, cp=8) is None  # 4 kv heads per TP rank, 2 per CP rank
+    gqa = LlamaShape(vocab_size=1024, hidden_size=768, intermediate_size=1024, num_layers=2, num_heads=12,
+                     num_kv_heads=4, head_dim=64)
+    kv = layout_refusal(gqa, 1, 1, Cluster(gpus=6, gpu_memory_gb=80), cp=6)
+    assert "kv heads of a tensor-parallel rank" in kv and "context_parallel_size (6) must divide" in kv
+    feasible, refused = plan(llama3_8b, Cluster(gpus=16, gpu_memory_gb=80), 4096, 512, context_parallel=True)
+    assert not any(c.cp > 1 and c.pp > 1 for c in feasible) and any(c.cp > 1 for c in feasible)
+    assert all(c.tp * c.pp * c.cp * c.dp == 16 for c in feasible)
+    assert any(r.startswith("CP > 1: only with pp = 1") for r in refused)
+
+
+def test_planner_with_sp_and_cp(llama3_8b):
+    """On 8 x 80 GB, TP1 PP1 DP8 ZeRO-1 does not fit (9.5 bytes per parameter + activations of 4096 tokens);
+    with c = 8 ZeRO still shards over d·c = 8 ranks (the same 76.3 GB of model states) while each rank
+    keeps 1/8 of the activations, so it fits."""
+    cluster = Cluster(gpus=8, gpu_memory_gb=80)
+    feasible, _ = plan(llama3_8b, cluster, 4096, 512, sequence_parallel=True, context_parallel=True)
+    cp8 = next(c for c in feasible if (c.tp, c.pp, c.cp, c.dp, c.zero) == (1, 1, 8, 1, 1))
+    assert cp8.states_gb == pytest.approx(9.5 * PSI_8B / 1e9, rel=1e-3)
+    for c in feasible:
+        step = estimate_step_time(llama3_8b, cluster, c.tp, c.pp, c.dp, c.zero, c.micro_batch, c.gas, 4096,
+                                  c.precision, c.checkpointing, sequence_parallel=c.sp, cp=c.cp)
+        assert c.step_seconds == step.seconds and c.dp * c.micro_batch * c.gas == 512
+    # Ulysses time by hand (t 1, c 2, b 1, s 4096, m 1): per block q and output 2048·32·128 elements, k and v
+    # 2048·8·128; 4 all-to-alls x 2 bytes forward, the same backward, 32 blocks; (c-1)/c of it at 200 GB/s.
+    block = (2 * 2048 * 32 * 128 + 2 * 2048 * 8 * 128) * 2
+    step = estimate_step_time(llama3_8b, cluster, 1, 1, 4, 1, 1, 1, 4096, cp=2)
+    assert step.cp == pytest.approx(2 * 32 * block / 2 / 200e9)
+    plain = estimate_step_time(llama3_8b, cluster, 1, 1, 4, 1, 1, 1, 4096)
+    assert step.compute == pytest.approx(plain.compute / 2) and plain.cp == 0
+
+
+def test_longest_sequence_search(llama3_8b):
+    cluster = Cluster(gpus=8, gpu_memory_gb=80)
+    rows, refused = longest_sequence(llama3_8b, cluster, 64, max_seq=65536)
+    assert rows and [(-s, c.step_seconds) for c, s in rows] == sorted((-s, c.step_seconds) for c, s in rows)
+    for c, seq in rows[:5]:
+        unit = sequence_unit(c.tp, c.cp, c.sp)
+        assert seq % unit == 0 and seq <= 65536 and c.micro_batch == 1 and c.memory_gb <= 80
+        if seq + unit <= 65536:  # one step longer does not fit
+            longer = evaluate(llama3_8b, cluster, c.tp, c.pp, c.zero, c.checkpointing, 1, seq + unit, 64,
+                              DEFAULT_REDUCE_BUCKET, c.sp, c.cp)
+            assert longer.memory_gb > 80
+    assert sequence_unit(2, 4, True) == 128 and sequence_unit(3, 1, True) == 384 and sequence_unit(3, 1, False) == 128
+
+
+def test_longest_sequence_cli(capsys):
+    argv = ["--model", "llama3.2-1b", "--gpus", "8", "--gpu-memory", "24", "--longest-sequence",
+            "--max-seq-length", "32768", "--top", "5"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "longest sequence up to 32768 tokens" in out and "rel.t/tok" in out
+    header = next(line for line in out.splitlines() if line.split()[:2] == ["seq", "tp"])
+    assert header.split()[:7] == ["seq", "tp", "pp", "cp", "dp", "sp", "zero"]
+
+
+@pytest.mark.parametrize("argv", [
+    ["--max-seq-length", "65536"],
+    ["--longest-sequence", "--seq-length", "4096"],
+    ["--longest-sequence", "--max-seq-length", "0"],
+    ["--longest-sequence", "--max-seq-length", "many"],
+])
+def test_longest_sequence_bad_flags_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-memory", "24", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err

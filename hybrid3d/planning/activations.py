@@ -1,0 +1,132 @@
+"""Analytic activation memory per rank: what autograd keeps for backward, per micro-batch.
+
+Letters: b micro-batch, s sequence, h hidden, a heads, f intermediate (SwiGLU), V vocabulary (V_p padded to
+t·128), L layers, t tensor-parallel degree, p pipeline stages, m micro-batches per step (GAS), c
+context-parallel degree, s_c = s/c, d_h head dim, k_c kv heads a rank hands to the CP exchange.
+
+The count starts from Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer
+Models", §4, Eq. 1-2: sbh(34 + 5as/h) per GPT layer, sbh(10 + 24/t + 5as/(ht)) with TP) and is fitted,
+term by term, to the tensors this Llama saves, as counted by saved-tensor hooks in bf16
+(tests/distributed/test_sequence_parallel.py; the model and the count agree to the byte, up to
+scalars). Per decoder block, bf16 (2 bytes) unless marked fp32:
+
+- each of the two RMSNorms: its fp32 upcast of the input (4·s_c·b·h), its fp32 1/rms (4·s_c·b), the bf16
+  normalised tensor the weight multiplies (2·s_c·b·h) and its output, which the next GEMM saves as its input
+  (2·s_c·b·h): 16·s_c·b·h + 8·s_c·b for both, divided by t with sequence parallelism (SP), where norms
+  run on (b, s/(c·t), h) shards and the column-parallel GEMMs save the shard and gather it again in backward;
+- attention: Q 2·s_c·b·a·d_h/t, K and V 2·2·s_c·b·k_c·d_h, the fused SDPA kernel's output 2·s_c·b·a·d_h/t
+  (also the o_proj input without CP; with CP o_proj saves the exchange's output, a second copy) and fp32
+  log-sum-exp 4·a·s·b/(t·c) (Korthikanti's "selective recomputation", §4.2: no s² scores), or an unfused
+  softmax 2·a·s²·b/(t·c) (not measured here); RoPE's cos and sin tables 2·2·s·d_h;
+- SwiGLU: gate, up, silu(gate) and the down_proj input, 4·2·s_c·b·f/t.
+
+Context parallelism (CP; DeepSpeed-Ulysses, Jacobs et al. 2023, §3) gives every per-token term s -> s_c;
+the core runs on the whole sequence with a/(t·c) heads, so its terms are divided by c through the heads
+(4·a·s·b/(t·c); s², not s_c², unfused). K and V: the exchange needs whole kv heads on each of the c
+ranks, so a rank's k_t heads are repeated up to k_c = c when c is a multiple of k_t (k_c = k_t when c
+divides k_t), and attention keeps s·(k_c/c)·d_h = s_c·k_c·d_h per tensor.
+
+The first stage adds the token ids (int64, 8·s_c·b; + a bool mask s_c·b with t > 1); the last the final
+norm (8·s_c·b·h + 4·s_c·b, /t with SP) and the cross entropy: without TP torch's log-softmax over V
+(fp32, 4·s_c·b·V), with TP the fp32 softmax of the vocab-parallel loss (4·s_c·b·V_p/t) and its masks, plus
+the int64 targets 8·s_c·b. The bf16 logits themselves are not kept. With full checkpointing a layer keeps
+only its input 2·s_c·b·h (/t with SP or `partition_activations`; the config refuses both) and one layer
+is recomputed at a time. 1F1B keeps min(p - stage, m) micro-batches in flight (Narayanan et al. 2021, §2.2).
+"""
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.pipe import stage_bounds
+from hybrid3d.model.tp_plan import context_kv_heads, kv_heads_per_rank
+from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
+
+
+def sequence_chunk(s: int, t: int, sequence_parallel: bool = False, cp: int = 1) -> int:
+    """s_c = s/c, the tokens of a micro-batch's sequence one CP rank reads; ValueError unless c divides s
+    and, with SP, t divides s_c (and t > 1: SP splits over the TP group)."""
+    if cp < 1 or s % cp:
+        raise ValueError(f"sequence length {s} is not divisible by context_parallel_size {cp}")
+    if sequence_parallel and t == 1:
+        raise ValueError("sequence parallelism needs tensor-parallel size t > 1")
+    if sequence_parallel and (s // cp) % t:
+        raise ValueError(f"sequence chunk s/c = {s // cp} is not divisible by tensor-parallel size {t} "
+                         "(sequence parallelism splits it over TP)")
+    return s // cp
+
+
+def cp_kv_heads(shape: LlamaShape, t: int, cp: int = 1) -> int:
+    """k_c: kv heads a TP rank hands to the Ulysses exchange (`tp_plan.context_kv_heads`): its k_t own heads
+    when c divides them, else c (each repeated c/k_t times, so every CP rank gets one); ValueError unless
+    k_t and c divide one another."""
+    kv_t = kv_heads_per_rank(shape.num_kv_heads, t)
+    if kv_t % cp and cp % kv_t:
+        raise ValueError(f"the {kv_t} kv heads of a TP rank and context_parallel_size {cp} must divide one another")
+    return context_kv_heads(kv_t, cp)
+
+
+def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True,
+                               sequence_parallel: bool = False, cp: int = 1) -> float:
+    """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
+    norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
+    2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
+    unfused + RoPE tables 4·s·d_h. K and V count the heads a rank computes with (`kv_heads_per_rank`):
+    with t > kv heads the weights are replicated, but each rank keeps only the one head it uses."""
+    h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
+    s_c = sequence_chunk(s, t, sequence_parallel, cp)
+    norms = (16 * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
+    q = 2 * s_c * b * a * d / t
+    kv = 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp) * d
+    out = q * (2 if cp > 1 else 1)
+    swiglu = 4 * 2 * s_c * b * f / t
+    core = 4 * a * s * b / (t * cp) if flash_attention else 2 * a * s * s * b / (t * cp)
+    rope = 2 * 2 * s * d
+    return norms + q + kv + out + swiglu + core + rope
+
+
+def input_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, cp: int = 1) -> float:
+    """First stage, per micro-batch: the int64 token ids (8·s_c·b) and, with TP, the vocabulary-range mask."""
+    s_c = s // cp
+    return 8 * s_c * b + (s_c * b if t > 1 else 0)
+
+
+def output_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, sequence_parallel: bool = False,
+                                  cp: int = 1) -> float:
+    """Last stage, per micro-batch: the final norm ((8·s_c·b·h + 4·s_c·b), /t with SP; its output is the
+    head's saved input), the cross entropy's fp32 probabilities (4·s_c·b·V without TP, 4·s_c·b·V_p/t with
+    TP, plus 2 bool masks) and the int64 targets 8·s_c·b."""
+    s_c = sequence_chunk(s, t, sequence_parallel, cp)
+    norm = (8 * s_c * b * shape.hidden_size + 4 * s_c * b) / (t if sequence_parallel else 1)
+    if t == 1:
+        loss = 4 * s_c * b * shape.vocab_size
+    else:
+        loss = 4 * s_c * b * padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) / t + 2 * s_c * b
+    return norm + loss + 8 * s_c * b
+
+
+def in_flight_micro_batches(pp: int, stage: int, gas: int) -> int:
+    """Micro-batches whose activations a 1F1B stage holds at once: min(p - stage, m)."""
+    return min(pp - stage, gas) if pp > 1 else 1
+
+
+def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
+    bounds = stage_bounds(shape.num_layers, pp)
+    return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
+
+
+def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
+                     checkpointing: bool = False, partition_activations: bool = False,
+                     flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1) -> float:
+    """Activation bytes of one rank of `stage`: in-flight micro-batches x (its layers' activations, or
+    with checkpointing their inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing
+    one layer being recomputed."""
+    if sequence_parallel and partition_activations:
+        raise ValueError("sequence_parallel and partition_activations exclude each other")
+    layers = stage_layer_count(shape, pp, stage)
+    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp)
+    extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp) if stage == pp - 1 else 0.0
+    if stage == 0:
+        extra += input_layer_activation_bytes(shape, b, s, tp, cp)
+    if checkpointing:
+        kept = 2 * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
+        per_micro = layers * kept + extra
+        return in_flight_micro_batches(pp, stage, gas) * per_micro + per_layer
+    return in_flight_micro_batches(pp, stage, gas) * (layers * per_layer + extra)
