@@ -42,6 +42,13 @@ def gpu_runs():
             base = dict(case="gqa", tp=t, pp=p, zero=zero, world=t * p * d)
             runs.append(dict(base, name=f"TP{t}-PP{p}-DP{d}-Z{zero}"))
             runs.append(dict(base, name=f"bf16-TP{t}-PP{p}-DP{d}-Z{zero}", extra=BF16))
+    # sequence parallelism (NCCL's all-gather / reduce-scatter) and Ulysses context parallelism (all-to-all)
+    sequence = [("SP-TP2-Z1", 2, 1, {"sequence_parallel": True}), ("CP2-Z1", 1, 2, {"context_parallel_size": 2}),
+                ("SP-TP2-CP2-Z2", 2, 2, {"sequence_parallel": True, "context_parallel_size": 2})]
+    for name, t, c, hybrid in sequence:
+        if t * c <= DEVICES:
+            runs.append(dict(case="gqa", tp=t, pp=1, zero=2 if "Z2" in name else 1, world=t * c, name=name,
+                             hybrid=hybrid))
     return runs
 
 

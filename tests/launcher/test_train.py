@@ -88,7 +88,9 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
 @pytest.mark.parametrize("num_gpus, overrides", [
     (1, ["--tensor_parallel_size", "1", "--pipeline_parallel_size", "1"]),
     (4, ["--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
-], ids=["TP1-PP1-DP1", "TP1-PP2-DP2"])
+    # sequence and context parallelism change no weight: the TP2xPP2 checkpoint evaluates the same
+    (4, ["--pipeline_parallel_size", "1", "--context_parallel_size", "2", "--sequence_parallel", "true"]),
+], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2"])
 def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
     result = launch(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
                     str(uninterrupted["out"] / "checkpoints"), "--eval-only")
@@ -132,3 +134,20 @@ def test_training_starts_from_hf_weights(tmp_path):
     with torch.no_grad():
         expected = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()
     assert math.isclose(loss, expected, rel_tol=1e-5), (loss, expected)
+
+
+def test_context_parallel_run_resumes_at_another_layout(tmp_path):
+    """A TP2+SP x CP2 run's checkpoint (ZeRO partitions over the d·c = 2 sequence-data-parallel ranks)
+    reshards to one rank through the universal checkpoint and evaluates to the run's own last eval loss."""
+    config = demo_config(tmp_path, pipeline_parallel_size=1, context_parallel_size=2, sequence_parallel=True)
+    trained = launch(4, config)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "layout TP2+SP-CP2-PP1-DP1" in trained.stdout and "16 tokens per rank" in trained.stdout
+    metrics = read_metrics(tmp_path / "run")
+    assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, [m["loss"] for m in metrics]
+    result = launch(1, config, "--tensor_parallel_size", "1", "--context_parallel_size", "1", "--sequence_parallel",
+                    "false", "--checkpoint.load", str(tmp_path / "run" / "checkpoints"), "--eval-only")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in result.stdout
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
+    assert math.isclose(eval_loss, metrics[-1]["eval_loss"], rel_tol=1e-5), (eval_loss, metrics[-1]["eval_loss"])
