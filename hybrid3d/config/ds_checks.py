@@ -120,10 +120,6 @@ def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
                     raise ConfigError(f"pipeline.{key}=true cannot be combined with {SECTION}.sequence_parallel: "
                                       "the stage-to-stage activations are already split over TP")
                 pipeline[key] = False
-    if cp > 1 and pp > 1:
-        raise ConfigError(f"{SECTION}.context_parallel_size > 1 cannot run with {SECTION}.pipeline_parallel_size > 1: "
-                          "DeepSpeed 0.19's PipelineEngine reduces gradients over the data-parallel group only, "
-                          "leaving the context-parallel ranks' gradients unsummed")
     split = cp * (tp if sp else 1)
     if seq % split:
         what = " * ".join(([f"context_parallel_size ({cp})"] if cp > 1 else [])

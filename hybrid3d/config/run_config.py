@@ -19,7 +19,9 @@ from hybrid3d.errors import ConfigError
 @dataclass
 class RunConfig:
     """`ds_config` is what DeepSpeed receives: the JSON without the hybrid3d section, with the
-    batch sizes completed (train = micro x GAS x DP)."""
+    batch sizes completed (train = micro x GAS x DP). With context parallelism DeepSpeed counts the c
+    ranks of a CP group as data-parallel replicas (parallel/layout.py), so its `train_batch_size` is c times
+    the sequences a step trains on (`sequences_per_step`, the JSON's `train_batch_size`)."""
 
     hybrid: HybridSection
     ds_config: dict = field(default_factory=dict)
@@ -39,6 +41,10 @@ class RunConfig:
     @property
     def sp(self) -> bool:
         return self.hybrid.sequence_parallel
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.ds_config["train_batch_size"] // self.cp
 
     @property
     def zero_stage(self) -> int:
@@ -75,6 +81,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
     check_sequence_splits(ds, hybrid)
     complete_batch_sizes(ds, world_size // (tp * pp * cp))
+    ds["train_batch_size"] *= cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
     check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)

@@ -13,10 +13,10 @@ from deepspeed.runtime.utils import partition_balanced, set_random_seed
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
-from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, tied_lm_logits
+from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
@@ -32,14 +32,14 @@ def stage_bounds(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=pp))
 
 
-def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup) -> list:
+def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: ContextParallelGroup | None = None) -> list:
     specs = []
     classes = layer_classes(shape)
     for index, cls in enumerate(classes):
         if index == 0 and shape.tie_word_embeddings:
             specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, tied_weight_attr=["weight"]))
         else:
-            specs.append(LayerSpec(cls, shape, tp))
+            specs.append(LayerSpec(cls, shape, tp, **layer_kwargs(cls, cp)))
     if shape.tie_word_embeddings:
         specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, forward_fn=tied_lm_logits,
                                    tied_weight_attr=["weight"]))
@@ -52,13 +52,14 @@ def _seed_layer(seed) -> None:
 
 
 def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
-                          partition_method: str = DEFAULT_PARTITION_METHOD) -> PipelineModule:
+                          partition_method: str = DEFAULT_PARTITION_METHOD,
+                          cp: ContextParallelGroup | None = None) -> PipelineModule:
     """A PipelineModule over `layout.topology()`; `seed_layers` makes the initial weights
     independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
     return PipelineModule(
-        layers=pipeline_layer_specs(shape, tp),
+        layers=pipeline_layer_specs(shape, tp, cp),
         topology=layout.topology(),
-        loss_fn=LanguageModelLoss(shape, tp),
+        loss_fn=LanguageModelLoss(shape, tp, cp=cp),
         seed_layers=True,
         seed_fn=_seed_layer,
         base_seed=seed,

@@ -2,11 +2,11 @@
 of a sequence split over c ranks is assembled (DeepSpeed-Ulysses, Jacobs et al. 2023).
 
 Each of the c ranks of a context-parallel group holds the contiguous positions [r·s/c, (r+1)·s/c) of
-every sequence of its data-parallel shard. DeepSpeed sums gradients over the c ranks and averages over
-data parallel only (`runtime/zero/stage_1_and_2.py` and `runtime/engine.py` divide by the sequence-data-
-parallel size / c), so each rank's loss must carry its share of the sequence's gradient: the local token
-loss sum over the whole sequence's token count. Its value is the whole sequence's mean, so what the job
-logs does not depend on c.
+every sequence of its data shard. DeepSpeed sees the c ranks as data-parallel replicas (layout.py) and
+averages gradients over all d·c of them, so each rank's loss carries c times its share of the sequence's
+gradient: c · (its token-loss sum) / (the whole sequence's token count); averaged over the c ranks that is
+the gradient of the sequence's mean loss. The value each rank returns is the whole sequence's mean, so
+what the job logs does not depend on c.
 """
 
 import deepspeed.comm as dist
@@ -26,11 +26,12 @@ def sequence_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
 
 
 def sequence_mean(local_sum: torch.Tensor, local_count: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """The mean token loss of sequences split over cp: the value is Σ_ranks sum / Σ_ranks count, the
-    gradient flows through this rank's sum only, scaled by 1 / Σ count (0 for a batch with no target)."""
+    """The mean token loss of sequences split over cp: the value is Σ_ranks sum / Σ_ranks count; the
+    gradient flows through this rank's sum only, scaled by c / Σ count (DeepSpeed then averages over the
+    c ranks; a batch with no target gives 0)."""
     if cp.size == 1:
         return local_sum / local_count.clamp(min=1)
     totals = torch.stack((local_sum.detach().float(), local_count.float()))  # (2,)
     dist.all_reduce(totals, group=cp.group)
-    others = totals[0] - local_sum.detach()
-    return (local_sum + others) / totals[1].clamp(min=1)
+    scaled = cp.size * local_sum
+    return (scaled + (totals[0] - scaled.detach())) / totals[1].clamp(min=1)

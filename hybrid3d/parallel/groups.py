@@ -4,7 +4,7 @@ import deepspeed.comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from hybrid3d.errors import LayoutError
-from hybrid3d.parallel.layout import CONTEXT_AXIS, ParallelLayout
+from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
 
 
@@ -18,54 +18,21 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"layout {layout.name} needs {layout.world_size} ranks (tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}"
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
-    context = _context_groups(grid._topo) if layout.cp > 1 else None
-    return ProcessGroups(layout, grid, context)
+    return ProcessGroups(layout, grid, _context_group(grid._topo, layout.cp) if layout.cp > 1 else None)
 
 
-class _Group:
-    """One rank's group of a family of disjoint groups: the process group and the member ranks."""
-
-    def __init__(self, ranks: list[int], group):
-        self.ranks, self.group = ranks, group
-
-    @property
-    def rank(self) -> int:
-        return self.ranks.index(dist.get_rank())
-
-    @property
-    def size(self) -> int:
-        return len(self.ranks)
-
-
-def _family(topology, vary: tuple[str, ...]) -> _Group:
-    """Create every group of ranks that differ only along the axes `vary` (a collective: all ranks create
-    all groups in the same order) and return this rank's."""
-    fixed = [a for a in topology.get_axis_names() if a not in vary]
+def _context_group(topology, cp: int) -> tuple[list[int], object]:
+    """Create every CP group, the c ranks of one (pipe, model) pair whose data' = data·c + r differ in r only
+    (a collective: all ranks create all groups in the same order), and return this rank's (ranks, group)."""
     mine = None
-    seen = set()
-    for rank in range(topology.world_size()):
-        coord = topology.get_coord(rank)
-        key = tuple(getattr(coord, a) for a in fixed)
-        if key in seen:
-            continue
-        seen.add(key)
-        ranks = sorted(topology.filter_match(**dict(zip(fixed, key))))
-        group = dist.new_group(ranks=ranks)
-        if dist.get_rank() in ranks:
-            mine = _Group(ranks, group)
+    for pipe in range(topology.get_dim("pipe")):
+        for model in range(topology.get_dim("model")):
+            for data in range(0, topology.get_dim("data"), cp):
+                ranks = [topology.get_rank(pipe=pipe, data=data + r, model=model) for r in range(cp)]
+                group = dist.new_group(ranks=ranks)
+                if dist.get_rank() in ranks:
+                    mine = (ranks, group)
     return mine
-
-
-def _context_groups(topology) -> dict:
-    """The groups DeepSpeed's grid lacks for context parallelism: the CP group (its Ulysses all-to-alls),
-    the sequence-data-parallel group d·c (gradient reduction and ZeRO partitions: DeepSpeed's
-    `seq_data_parallel_group`) and the model-parallel group pipe x TP without the CP ranks (gradient-norm
-    reductions and checkpoint file numbering: CP ranks hold the same weights)."""
-    return {"context": _family(topology, (CONTEXT_AXIS,)),
-            "sequence_data": _family(topology, ("data", CONTEXT_AXIS)),
-            "model": _family(topology, ("pipe", "model"))}
-
-
 
 
 class ProcessGroups:
@@ -77,10 +44,10 @@ class ProcessGroups:
     DeepSpeed uses it for checkpoint numbering and gradient-norm reductions.
     """
 
-    def __init__(self, layout: ParallelLayout, grid: PipelineParallelGrid, context: dict | None = None):
+    def __init__(self, layout: ParallelLayout, grid: PipelineParallelGrid, context: tuple | None = None):
         self.layout = layout
         self.grid = grid
-        self._context = context  # the groups of `_context_groups` when cp > 1
+        self._context = context  # (ranks, group) of this rank's CP group when cp > 1
 
     # Tensor parallel: the grid's slice group.
     def get_tensor_model_parallel_group(self):
@@ -100,38 +67,17 @@ class ProcessGroups:
     get_slice_parallel_rank = get_tensor_model_parallel_rank
     get_slice_parallel_world_size = get_tensor_model_parallel_world_size
 
-    # Model parallel (pipe x TP; the grid's also spans the CP ranks, so with cp > 1 it is replaced).
+    # Model parallel (pipe x TP).
     def get_model_parallel_group(self):
-        return self._context["model"].group if self._context else self.grid.get_model_parallel_group()
+        return self.grid.get_model_parallel_group()
 
     def get_model_parallel_rank(self) -> int:
-        return self._context["model"].rank if self._context else self.grid.get_model_parallel_rank()
+        return self.grid.get_model_parallel_rank()
 
     def get_model_parallel_world_size(self) -> int:
-        return self._context["model"].size if self._context else self.grid.get_model_parallel_world_size()
+        return self.grid.get_model_parallel_world_size()
 
-    # Context parallel, under the names DeepSpeed's `utils/groups.py` asks an mpu for. Without CP the
-    # sequence-parallel size is 1 (DeepSpeed then never asks for its group) and the sequence-data-parallel
-    # group is DP.
-    def get_sequence_parallel_group(self):
-        return self._context["context"].group if self._context else None
-
-    def get_sequence_parallel_rank(self) -> int:
-        return self._context["context"].rank if self._context else 0
-
-    def get_sequence_parallel_world_size(self) -> int:
-        return self._context["context"].size if self._context else 1
-
-    def get_sequence_data_parallel_group(self):
-        return self._context["sequence_data"].group if self._context else self.get_data_parallel_group()
-
-    def get_sequence_data_parallel_rank(self) -> int:
-        return self._context["sequence_data"].rank if self._context else self.get_data_parallel_rank()
-
-    def get_sequence_data_parallel_world_size(self) -> int:
-        return self._context["sequence_data"].size if self._context else self.get_data_parallel_world_size()
-
-    # Data parallel.
+    # Data parallel as DeepSpeed sees it: the d·c ranks holding one model slice (CP folded in, layout.py).
     def get_data_parallel_group(self):
         return self.grid.get_data_parallel_group()
 
@@ -174,5 +120,10 @@ class ProcessGroups:
         """What attention and the loss need for context parallelism (a group of one without it)."""
         if not self._context:
             return ContextParallelGroup.single()
-        context = self._context["context"]
-        return ContextParallelGroup(group=context.group, rank=context.rank, size=context.size)
+        ranks, group = self._context
+        return ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=len(ranks))
+
+    def data_shard(self) -> tuple[int, int]:
+        """(rank, size) of this rank's data shard: the d replicas that read different sequences; the c CP
+        ranks inside one DeepSpeed data-parallel block read the same ones."""
+        return self.get_data_parallel_rank() // self.layout.cp, self.layout.dp

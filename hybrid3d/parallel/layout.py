@@ -2,9 +2,16 @@
 
 DeepSpeed's `PipeModelDataParallelTopology(num_pp, num_mp, num_dp)` orders its axes
 ['pipe', 'data', 'model'], so  rank = pipe * d * t + data * t + model:  TP ranks are neighbours
-(same node on GPU clusters), then DP, then pipeline stages. Context parallelism adds a 'seq' axis
-between data and model, rank = ((pipe * d + data) * c + seq) * t + model: a CP group's all-to-alls stay
-next to TP (Megatron-LM orders its groups tp-cp-dp-pp the same way).
+(same node on GPU clusters), then DP, then pipeline stages.
+
+Context parallelism is presented to DeepSpeed as part of its data axis: the topology has d·c data
+ranks, data' = data * c + cp, so rank = ((pipe * d + data) * c + cp) * t + model and a CP group's c ranks
+sit next to TP (Megatron-LM orders its groups tp-cp-dp-pp the same way). The c ranks of a CP group hold
+the same weights and see different positions of the same sequences, which is what DeepSpeed's
+engines, ZeRO stages and optimizer wrappers need to know: they partition and average over d·c ranks
+(the loss carries the rest: `parallel.context_parallel.sequence_mean`). DeepSpeed's own sequence-parallel
+group cannot carry CP under the pipeline: PipelineEngine and the BF16_Optimizer path reduce gradients
+over `mpu.get_data_parallel_group()` only (runtime/engine.py `_reduce_non_expert_gradients`).
 
 Sequence parallelism (`sp`) uses the TP group and adds no axis; it is part of the layout because it
 changes the shape of every activation between TP regions, (b, s/(c·t), h).
@@ -12,11 +19,9 @@ changes the shape of every activation between TP regions, (b, s/(c·t), h).
 
 from dataclasses import dataclass
 
-from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology, ProcessTopology
+from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
 from hybrid3d.errors import LayoutError
-
-CONTEXT_AXIS = "seq"
 
 
 @dataclass(frozen=True)
@@ -58,7 +63,6 @@ class ParallelLayout:
         cp = f"-CP{self.cp}" if self.cp > 1 else ""
         return f"{tp}{cp}-PP{self.pp}-DP{self.dp}"
 
-    def topology(self) -> ProcessTopology:
-        if self.cp == 1:
-            return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp)
-        return ProcessTopology(axes=["pipe", "data", CONTEXT_AXIS, "model"], dims=[self.pp, self.dp, self.cp, self.tp])
+    def topology(self) -> PipeModelDataParallelTopology:
+        """DeepSpeed's topology: d·c data-parallel ranks (CP folded into the data axis, module docstring)."""
+        return PipeModelDataParallelTopology(num_pp=self.pp, num_mp=self.tp, num_dp=self.dp * self.cp)

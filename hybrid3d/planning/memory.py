@@ -37,8 +37,8 @@ Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is t
 count of one TP rank of one pipeline stage (`stage_parameter_numels`).
 
 With context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) the c ranks of a CP group hold the
-same parameters (one TP shard of one stage), and ZeRO partitions over DeepSpeed's sequence-data-parallel
-group (`seq_data_parallel_group`; the gradients are reduced over it too) of d·c ranks: Nd = d·c in every
+same parameters (one TP shard of one stage), and ZeRO partitions over DeepSpeed's data-parallel group,
+which holds the CP ranks too (`parallel/layout.py`; the gradients are reduced over it) of d·c ranks: Nd = d·c in every
 formula above, and callers pass nd = dp = d·c (the planner does). Ψ does not depend on c; sequence
 parallelism changes neither Ψ nor Nd.
 
@@ -305,7 +305,7 @@ def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, p
                       dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
                       pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
     """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp; with context
-    parallelism pass dp = d·c (ZeRO partitions over the sequence-data-parallel group) and a dp_rank in it."""
+    parallelism pass dp = d·c (ZeRO partitions over the d·c data-parallel ranks) and a dp_rank in it."""
     numels = stage_parameter_numels(shape, tp, pp, stage)
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
                                     pipeline_zero2, deferred_fraction)

@@ -2,7 +2,7 @@
 model on a cluster, by the memory model (`hybrid3d.memory`) and a step-time estimate.
 
 Memory per GPU = peak model states (DeepSpeed's wrappers, incl. its reduce bucket; ZeRO over the d·c
-ranks of the sequence-data-parallel group) + activations of the worst stage (1F1B in-flight
+ranks of DeepSpeed's data-parallel group, CP folded in) + activations of the worst stage (1F1B in-flight
 micro-batches; `planning.activations`, with Megatron sequence parallelism (SP, Korthikanti et al. 2022)
 and DeepSpeed-Ulysses context parallelism (CP, Jacobs et al. 2023)) + a fixed reserve (CUDA context,
 NCCL, fragmentation). World = t·p·d·c; global batch = d·b·m sequences (the c ranks of a CP group share
@@ -13,8 +13,7 @@ Relative step time (lower is better), per GPU, for the same global batch: `step_
 all-to-alls, DP over d·c, pipeline send/recv). The absolute numbers are rough; the ranking is what the
 estimate is for.
 Enumerated: t | GPUs, p | GPUs/t and, with `context_parallel` (the command line's default), c | GPUs/(t·p)
-with c > 1 only when p = 1 (DeepSpeed 0.19's PipelineEngine would not sum gradients over the CP ranks;
-the config refuses it) and t·c <= GPUs per node (CP groups sit next to TP inside a node), where the
+with t·c <= GPUs per node (CP groups sit next to TP inside a node), where the
 model splits (a % (t·c) == 0; the kv heads of a TP rank k_t and c divide one another; c | s, and
 t·c | s with SP); with `sequence_parallel` SP is, for t > 1, an option of each layout like
 checkpointing and the micro-batch.
@@ -78,9 +77,6 @@ def divisors(n: int) -> list[int]:
 def layout_refusal(shape: LlamaShape, tp: int, pp: int, cluster: Cluster, cp: int = 1) -> Optional[str]:
     if tp > cluster.gpus_per_node:
         return f"tp={tp} > {cluster.gpus_per_node} GPUs per node: TP all-reduces would cross nodes"
-    if cp > 1 and pp > 1:
-        return (f"cp={cp} needs pp = 1 (DeepSpeed 0.19's PipelineEngine reduces gradients over data parallel "
-                "only, not over the context-parallel ranks)")
     if tp * cp > cluster.gpus_per_node:
         return f"tp·cp = {tp * cp} > {cluster.gpus_per_node} GPUs per node: the all-to-alls would cross nodes"
     try:
@@ -134,14 +130,14 @@ def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, c
 
 def _layouts(shape: LlamaShape, cluster: Cluster, global_batch: int, context_parallel: bool = True):
     """(tp, pp, cp, dp, name, refusal or None) of every layout to report (cp = 1 only unless
-    `context_parallel`). CP variants of a layout refused without CP, and those with pp > 1 or
-    t·c > GPUs per node, are left out: one line says so."""
+    `context_parallel`). CP variants of a layout refused without CP, and those with t·c > GPUs per
+    node, are left out: one line says so."""
     skipped = False
     for tp in divisors(cluster.gpus):
         for pp in divisors(cluster.gpus // tp):
             base = layout_refusal(shape, tp, pp, cluster)
             for cp in divisors(cluster.gpus // (tp * pp)) if context_parallel else (1,):
-                if cp > 1 and (base or pp > 1 or tp * cp > cluster.gpus_per_node):
+                if cp > 1 and (base or tp * cp > cluster.gpus_per_node):
                     skipped |= base is None
                     continue
                 dp = cluster.gpus // (tp * pp * cp)
@@ -151,8 +147,8 @@ def _layouts(shape: LlamaShape, cluster: Cluster, global_batch: int, context_par
                     reason = f"global batch {global_batch} is not divisible by dp={dp}"
                 yield tp, pp, cp, dp, name, reason
     if skipped:
-        yield 0, 0, 0, 0, "CP > 1", (f"only with pp = 1 and tp·cp <= {cluster.gpus_per_node} GPUs per node "
-                                     "(Ulysses all-to-alls inside a node, no pipeline); others not listed")
+        yield 0, 0, 0, 0, "CP > 1", (f"only with tp·cp <= {cluster.gpus_per_node} GPUs per node "
+                                     "(Ulysses all-to-alls inside a node); others not listed")
 
 
 def _zero_stages(pp: int, dp: int) -> tuple:
@@ -178,7 +174,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             refused.append(f"{name}: {reason}")
             continue
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
-        for zero in _zero_stages(pp, dp):
+        for zero in _zero_stages(pp, dp * cp):
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16]
             fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb]
@@ -214,7 +210,7 @@ def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max
             continue
         gas, found, least = global_batch // dp, False, None  # least: the option needing the least memory
         for sp, zero, ckpt in [(sp, z, ck) for sp in ((False, True) if tp > 1 else (False,))
-                               for z in _zero_stages(pp, dp) for ck in (False, True)]:
+                               for z in _zero_stages(pp, dp * cp) for ck in (False, True)]:
             unit = sequence_unit(tp, cp, sp)
 
             def fits(seq: int) -> bool:

@@ -8,10 +8,10 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
     cp comm  = logged all-to-all bytes · (c-1)/c / intra-node bandwidth (`traffic.cp_bytes_per_step`)
     dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it),
-               n = d·c: ZeRO and the gradient reduction span DeepSpeed's sequence-data-parallel group
+               n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
     pp comm  = (m + p - 1) · max over stages of one micro-batch's
                [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth]
-CP places its groups inside a node next to TP (rank = ((pipe·d + data)·c + seq)·t + model, `parallel/
+CP places its groups inside a node next to TP (rank = ((pipe·d + data)·c + cp)·t + model, `parallel/
 layout.py`), so a CP all-to-all runs at the intra-node bandwidth; the planner refuses t·c > GPUs per
 node. Compute: with CP each rank computes s/c of every sequence's tokens and a/(t·c) heads of attention
 over all s, so the FLOPs are divided by c like the tokens.

@@ -35,7 +35,7 @@ Data parallelism (Rajbhandari et al. 2020, §7): a plain all-reduce of Ψ gradie
 of Ψ then an all-gather of the Ψ/Nd updated partition; ZeRO-2 an all-reduce of Ψ per micro-batch
 (it reduces during every backward) plus the all-gather — it all-reduces where the paper reduce-scatters.
 bf16 ZeRO-0 with a pipeline (BF16_Optimizer, master sharded over DP) also all-gathers. With CP the
-group is DeepSpeed's sequence-data-parallel group of d·c ranks: callers pass dp = d·c.
+group is DeepSpeed's data-parallel group of d·c ranks (CP folded into it, `parallel/layout.py`): callers pass dp = d·c.
 
 Pipeline (Narayanan et al. 2021, §3.2; DeepSpeed 0.19.8 `runtime/pipe/engine.py`, 1F1B `TrainSchedule`): per
 micro-batch each stage boundary carries the (b, s, h) activation forward (`_exec_send_activations` ->
@@ -137,16 +137,15 @@ def cp_loss_bytes_per_step(cp: int, gas: int) -> int:
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,
                       precision: str = "bf16") -> int:
     """Logged DP-collective bytes of one rank per step. dp is the group ZeRO and the gradient reduction
-    span: d, or d·c with CP (DeepSpeed's sequence-data-parallel group; callers pass dp = d·c). Every
+    span: d, or d·c with CP (DeepSpeed's data-parallel group, CP folded in; callers pass dp = d·c). Every
     wrapper that shards the fp32 master (all but the torch optimizer and FP16_UnfusedOptimizer, see
     `memory.optimizer_wrapper`) all-gathers the updated Ψ/Nd partition. With `grad_accum_dtype` fp32
-    (precision "bf16+fp32acc") the gradients are reduced in fp32 (measured: tests/distributed/
-    test_sequence_parallel.py), the parameters gathered in bf16. DeepSpeed issues the gradient
+    (precision "bf16+fp32acc") the gradients are still reduced in bf16, DeepSpeed's communication dtype
+    (measured: tests/distributed/test_sequence_parallel.py). DeepSpeed issues the gradient
     all-reduce also over a group of one rank (dp = 1), where it moves nothing; the all-gather it skips."""
     psi = sum(stage_parameter_numels(shape, tp, pp, stage))
-    lp = 4 if precision == "fp32" else 2  # parameter bytes: what the all-gather moves
-    grad_bytes = 4 if precision in ("fp32", "bf16+fp32acc") else 2  # fp32 accumulation reduces fp32 gradients
-    reduce = psi * grad_bytes * (gas if zero == 2 else 1)
+    lp = 4 if precision == "fp32" else 2
+    reduce = psi * lp * (gas if zero == 2 else 1)
     sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
     gather = aligned_numel(psi, dp) // dp * lp if sharded and dp > 1 else 0
     return reduce + gather

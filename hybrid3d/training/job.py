@@ -61,7 +61,7 @@ def layout_summary(trainer) -> list[str]:
     else:
         first, last = 0, len(module.layers) - 1
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
-                 dp=trainer.groups.get_data_parallel_rank(), cp=trainer.groups.get_sequence_parallel_rank(),
+                 dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank,
                  first=int(first), last=int(last),
                  params=sum(p.numel() for p in module.parameters()))
     everyone = [None] * dist.get_world_size()
@@ -86,7 +86,7 @@ def sequence_split(layout, seq: int) -> str:
 
 
 def evaluate(trainer, data, job, dp_rank) -> float:
-    batch = job.config.ds_config["train_batch_size"]
+    batch = job.config.sequences_per_step
     losses = [trainer.eval_step(micro_batches(data.eval, k, batch, dp_rank, job.layout.dp,
                                               job.config.micro_batch_size))
               for k in range(job.hybrid.train.eval_steps)]
@@ -163,10 +163,10 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
             restore_rng(client["rng"])
         info(f"loaded {job.plan.load_dir / job.plan.tag} at step {step}", is_rank0)
 
-    dp_rank = trainer.groups.get_data_parallel_rank()
+    dp_rank = trainer.groups.data_shard()[0]
     info(f"layout {layout.name}: {job.shape.num_layers} decoder layers, ZeRO stage {config.zero_stage}, "
          f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
-         f"= {config.ds_config['train_batch_size']} sequences of {hybrid.data.seq_length} tokens"
+         f"= {config.sequences_per_step} sequences of {hybrid.data.seq_length} tokens"
          f"{sequence_split(layout, hybrid.data.seq_length)}", is_rank0)
     for line in layout_summary(trainer):
         info(line, is_rank0)
@@ -188,7 +188,7 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         source.tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
     dist.barrier()
 
-    batch, seq = config.ds_config["train_batch_size"], hybrid.data.seq_length
+    batch, seq = config.sequences_per_step, hybrid.data.seq_length
     flops = training_flops_per_token(job.shape, seq)
     peak = hybrid.train.peak_tflops or peak_tflops()
     logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
@@ -207,7 +207,7 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
 def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0) -> int:
     """Train from `step` to train.steps; each policy decides when it acts."""
     hybrid, layout, config = job.hybrid, job.layout, trainer.config
-    batch = config.ds_config["train_batch_size"]
+    batch = config.sequences_per_step
     evals, nonfinite = EvalSchedule(hybrid.train.eval_interval), NonFinitePolicy(hybrid.train.on_nonfinite)
 
     def save(at_step: int) -> Path:

@@ -2,8 +2,8 @@
 
 - pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1; stage 2 with the
   `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
-- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2; with context
-  parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
+- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
+With context parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
 
 DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
 `build_trainer` calls `deepspeed.checkpointing.configure` with the layout's process groups.
@@ -93,19 +93,28 @@ class Trainer:
 
 
 class PipelineTrainer(Trainer):
+    """The first and last stages read the micro-batches; with context parallelism each its positions."""
+
+    def _shards(self, micro_batches):
+        cp = self.groups.context_parallel()
+        return micro_batches if cp.size == 1 else (tuple(sequence_shard(x, cp) for x in b) for b in micro_batches)
+
     def train_step(self, micro_batches):
-        return float(self.engine.train_batch(data_iter=micro_batches))
+        return float(self.engine.train_batch(data_iter=self._shards(micro_batches)))
 
     def eval_step(self, micro_batches):
-        return float(self.engine.eval_batch(data_iter=micro_batches))
+        return float(self.engine.eval_batch(data_iter=self._shards(micro_batches)))
 
 
 class DataParallelTrainer(Trainer):
     def _dp_mean(self, losses) -> float:
+        """The mean over micro-batches and over DeepSpeed's d·c data-parallel ranks (the c ranks of a CP
+        group hold the same value: their sequences' mean)."""
         loss = torch.stack(losses).float().mean()
-        if self.layout.dp > 1:
+        ranks = self.groups.get_data_parallel_world_size()
+        if ranks > 1:
             dist.all_reduce(loss, group=self.groups.get_data_parallel_group())
-            loss /= self.layout.dp
+            loss /= ranks
         return loss.item()
 
     def _to_device(self, tensor):
@@ -168,7 +177,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
 
     if layout.pp > 1:
         with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
-            module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method)
+            module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
+                                           cp=cp)
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,

@@ -33,7 +33,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
             module.register_forward_hook(lambda *_: block_forwards.__setitem__(0, block_forwards[0] + 1))
             module.register_forward_pre_hook(lambda _, args: block_inputs.add(tuple(args[0].shape)))
 
-    dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
+    dp_rank, dp = trainer.groups.data_shard()  # the CP ranks of a data shard read the same batches
     losses, forwards_per_step = [], []
     for step in range(STEPS):
         before = block_forwards[0]

@@ -71,7 +71,9 @@ FUSED_ADAM = [dict(name="fused-adam-TP2-PP1-DP1", case="gqa", tp=2, pp=1, zero=1
 
 # Sequence parallelism (sp) and context parallelism (cp) against the same HF reference: (name, case, tp, pp,
 # dp, cp, zero, hybrid3d keys, top-level keys). gqa has 2 kv heads for 4 query heads, so TP2 x CP2 and CP4
-# repeat kv heads for the exchange; tied has tied embeddings.
+# repeat kv heads for the exchange; tied has tied embeddings (with a pipeline at ZeRO-1: at ZeRO-0 DeepSpeed
+# 0.19's fp32 gradient clipping, runtime/utils.py clip_grad_norm_, counts a tied weight on both stages,
+# with or without CP).
 SP = {"sequence_parallel": True}
 SEQUENCE_RUNS = [
     ("SP-TP2-Z0", "gqa", 2, 1, 1, 1, 0, SP, {}),
@@ -89,6 +91,11 @@ SEQUENCE_RUNS = [
     ("TP2-CP2-Z1", "gqa", 2, 1, 1, 2, 1, {}, {}),
     ("SP-tied-TP2-CP2-Z2", "tied", 2, 1, 1, 2, 2, SP, {}),
     ("CP2-ckpt-TP2-Z1", "gqa", 2, 1, 1, 2, 1, {}, {"pipeline": {"activation_checkpoint_interval": 1}}),
+    # context parallelism with a pipeline
+    ("CP2-PP2-Z1", "gqa", 1, 2, 1, 2, 1, {}, {}),
+    ("CP2-tied-PP2-ckpt-Z1", "tied", 1, 2, 1, 2, 1, {}, {"pipeline": {"activation_checkpoint_interval": 1}}),
+    ("CP2-PP2-pipeline_zero2", "gqa", 1, 2, 1, 2, 2, {"pipeline_zero2": True}, {}),
+    ("SP-tied-TP2-PP2-CP2-Z1", "tied", 2, 2, 1, 2, 1, SP, {}),
 ]
 
 

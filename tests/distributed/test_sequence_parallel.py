@@ -88,6 +88,6 @@ def test_cp_and_dp_collectives_match_the_traffic_model(measured):
     assert by_op(comms, {"single_all_to_all"}) == {
         "all_to_all_single": cp_bytes_per_step(shape, MICRO_BATCH, SEQ, 1, 2, 1, 0, 1)}
     assert by_op(comms, {"sequence_mean"}) == {"all_reduce": cp_loss_bytes_per_step(2, 1)}
-    # ZeRO reduces and partitions over the d·c = 2 ranks of the sequence-data-parallel group
+    # ZeRO reduces and partitions over DeepSpeed's d·c = 2 data-parallel ranks (CP folded in)
     assert sum(by_op(comms, DP_CALLERS).values()) == dp_bytes_per_step(shape, 1, 1, 2, 0, 1, 1, "bf16+fp32acc")
     assert not by_op(comms, TP_CALLERS)

@@ -84,7 +84,7 @@ def test_cli_process_exit_code(tmp_path):
 
 def test_context_parallelism_refusals(llama3_8b):
     one_node = Cluster(gpus=64, gpu_memory_gb=80, gpus_per_node=64)
-    assert "needs pp = 1" in layout_refusal(llama3_8b, 1, 2, one_node, cp=2)
+    assert layout_refusal(llama3_8b, 1, 2, one_node, cp=2) is None  # CP with a pipeline
     heads = layout_refusal(llama3_8b, 8, 1, one_node, cp=8)
     assert "num_attention_heads (32) is not divisible by tensor_parallel_size * context_parallel_size" in heads
     assert "tp·cp = 16 > 8 GPUs per node" in layout_refusal(llama3_8b, 2, 1, Cluster(gpus=64, gpu_memory_gb=80), cp=8)
@@ -94,9 +94,10 @@ def test_context_parallelism_refusals(llama3_8b):
     kv = layout_refusal(gqa, 1, 1, Cluster(gpus=6, gpu_memory_gb=80), cp=6)
     assert "kv heads of a tensor-parallel rank" in kv and "context_parallel_size (6) must divide" in kv
     feasible, refused = plan(llama3_8b, Cluster(gpus=16, gpu_memory_gb=80), 4096, 512, context_parallel=True)
-    assert not any(c.cp > 1 and c.pp > 1 for c in feasible) and any(c.cp > 1 for c in feasible)
+    assert any(c.cp > 1 and c.pp > 1 for c in feasible) and any(c.cp > 1 and c.pp == 1 for c in feasible)
     assert all(c.tp * c.pp * c.cp * c.dp == 16 for c in feasible)
-    assert any(r.startswith("CP > 1: only with pp = 1") for r in refused)
+    assert all(c.tp * c.cp <= 8 for c in feasible)
+    assert any(r.startswith("CP > 1: only with tp·cp <= 8 GPUs per node") for r in refused)
 
 
 def test_planner_with_sp_and_cp(llama3_8b):

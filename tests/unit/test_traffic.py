@@ -150,9 +150,9 @@ def test_pipeline_messages_with_sequence_parallelism():
 
 def test_dp_bytes_over_the_sequence_data_parallel_group():
     # G-like shape of test_memory_model (Ψ = 106816, a multiple of 2·4): ZeRO-1 over d·c = 4 ranks
-    # all-reduces Ψ gradients, fp32 with fp32 accumulation (4Ψ bytes), and all-gathers a Ψ/4 bf16 partition.
+    # all-reduces Ψ bf16 gradients (2Ψ bytes; fp32 accumulation does not change the communication dtype)
+    # and all-gathers a Ψ/4 bf16 partition.
     g = LlamaShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
                    head_dim=16)
     psi = 106816
-    assert dp_bytes_per_step(g, 1, 1, 2 * 2, 0, 1, 1, "bf16+fp32acc") == 4 * psi + 2 * psi // 4
-    assert dp_bytes_per_step(g, 1, 1, 2 * 2, 0, 1, 1, "bf16") == 2 * psi + 2 * psi // 4
+    assert dp_bytes_per_step(g, 1, 1, 2 * 2, 0, 1, 1, "bf16+fp32acc") == 2 * psi + 2 * psi // 4

@@ -88,8 +88,6 @@ BAD_INPUTS = [
      None, [], 4, "activation_checkpointing.partition_activations cannot be combined with hybrid3d.sequence_parallel"),
     ("sp-pipe-partitioned", lambda c: (h(c).update(sequence_parallel=True), c.update(pipeline={"pipe_partitioned": True})),
      None, [], 4, "pipeline.pipe_partitioned=true cannot be combined with hybrid3d.sequence_parallel"),
-    ("cp-with-pipeline", lambda c: h(c).update(context_parallel_size=2), None, [], 8,
-     "hybrid3d.context_parallel_size > 1 cannot run with hybrid3d.pipeline_parallel_size > 1"),
     ("cp-world-not-divisible", lambda c: h(c).update(context_parallel_size=2, pipeline_parallel_size=1), None, [], 6,
      "world size 6 is not divisible by hybrid3d.tensor_parallel_size * hybrid3d.pipeline_parallel_size * "
      "hybrid3d.context_parallel_size = 2 * 1 * 2"),
@@ -163,7 +161,9 @@ def test_shipped_config_is_valid(name, world):
     layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp, parsed.cp, parsed.sp)
     check_split(shape, layout.tp, layout.pp, layout.cp)
     ds = parsed.ds_config
-    assert ds["train_batch_size"] == ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"] * layout.dp
+    assert parsed.sequences_per_step == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
+                                         * layout.dp)
+    assert ds["train_batch_size"] == parsed.sequences_per_step * layout.cp  # DeepSpeed counts the CP ranks
     assert parsed.hybrid.data.seq_length <= shape.max_position_embeddings
 
 
