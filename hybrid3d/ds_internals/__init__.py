@@ -2,7 +2,8 @@
 
 hybrid3d uses DeepSpeed's public API everywhere else. The modules here read or replace internals
 that DeepSpeed may change in any release (PipelineEngine's instruction table and ZeRO-2 bookkeeping
-in pipeline_zero2.py, optimizer buffers in memory_probe.py, the CPU shared-memory segments in
+in pipeline_zero2.py, the fp32 pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in
+memory_probe.py, the CPU shared-memory segments in
 shm_buffers.py, PipelineModule's stage bounds below), so they are written and tested against one
 version: `check_deepspeed_version()` turns any other into one line at start-up.
 """

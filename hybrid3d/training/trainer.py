@@ -24,6 +24,7 @@ from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.run_config import RunConfig, parse_config
 from hybrid3d.ds_internals import pipeline_module_uses_grid, pipeline_zero2
+from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.pipe import build_pipeline_module
 from hybrid3d.parallel.context_parallel import sequence_shard
@@ -198,5 +199,7 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
         config=config.ds_config,
         mpu=None if layout.pp > 1 else groups,  # the PipelineModule carries its own grid
     )
+    if layout.pp > 1:  # the fp32, ZeRO-0 path's clipping miscounts pipeline gradients (pipeline_clip.py)
+        use_exact_clipping(engine, groups)
     trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
     return trainer_cls(engine, config, layout, groups, shape)

@@ -29,6 +29,10 @@ def matrix_runs():
                              world=tp * pp * dp))
     for tp, pp, dp in [(1, 2, 1), (1, 4, 1), (2, 2, 2)]:
         runs.append(dict(name=f"tied-TP{tp}-PP{pp}-DP{dp}-Z1", case="tied", tp=tp, pp=pp, zero=1, world=tp * pp * dp))
+    # fp32 without ZeRO in a pipeline: the clipping of hybrid3d.ds_internals.pipeline_clip (a tied weight on
+    # two stages, replicated norms on every stage)
+    for tp, pp, dp in [(1, 2, 1), (2, 2, 2)]:
+        runs.append(dict(name=f"tied-TP{tp}-PP{pp}-DP{dp}-Z0", case="tied", tp=tp, pp=pp, zero=0, world=tp * pp * dp))
     return runs
 
 
@@ -71,9 +75,7 @@ FUSED_ADAM = [dict(name="fused-adam-TP2-PP1-DP1", case="gqa", tp=2, pp=1, zero=1
 
 # Sequence parallelism (sp) and context parallelism (cp) against the same HF reference: (name, case, tp, pp,
 # dp, cp, zero, hybrid3d keys, top-level keys). gqa has 2 kv heads for 4 query heads, so TP2 x CP2 and CP4
-# repeat kv heads for the exchange; tied has tied embeddings (with a pipeline at ZeRO-1: at ZeRO-0 DeepSpeed
-# 0.19's fp32 gradient clipping, runtime/utils.py clip_grad_norm_, counts a tied weight on both stages,
-# with or without CP).
+# repeat kv heads for the exchange; tied has tied embeddings.
 SP = {"sequence_parallel": True}
 SEQUENCE_RUNS = [
     ("SP-TP2-Z0", "gqa", 2, 1, 1, 1, 0, SP, {}),
