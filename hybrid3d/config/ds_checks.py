@@ -97,6 +97,35 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 
+SCHEDULES = ("1f1b", "interleaved", "dualpipev")
+
+
+def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
+    """`pipeline_schedule`: DualPipeV's requirements (DeepSpeed 0.19.8 `runtime/pipe/dualpipev.py` asserts them
+    deep in start-up) as one line each; its pipe/grad partitioning keys set false when absent."""
+    schedule, key = hybrid.pipeline_schedule, f"{SECTION}.pipeline_schedule"
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"{key} must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}")
+    if schedule == "interleaved" or hybrid.virtual_pipeline_size != 1:
+        raise ConfigError(f"{key}='interleaved' (virtual_pipeline_size {hybrid.virtual_pipeline_size}) is not "
+                          "available yet: use '1f1b' or 'dualpipev'")
+    if schedule != "dualpipev":
+        return
+    pp, gas = hybrid.pipeline_parallel_size, ds["gradient_accumulation_steps"]
+    if pp == 1:
+        raise ConfigError(f"{key}='dualpipev' needs {SECTION}.pipeline_parallel_size > 1")
+    if gas < 2 * pp:
+        raise ConfigError(f"{key}='dualpipev' needs gradient_accumulation_steps >= 2 * pipeline_parallel_size "
+                          f"= {2 * pp}, got {gas}")
+    if hybrid.pipeline_zero2:
+        raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {key}='dualpipev' (use zero_optimization.stage 1)")
+    pipeline = ds.setdefault("pipeline", {})
+    for name in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(name, False):
+            raise ConfigError(f"pipeline.{name}=true cannot be combined with {key}='dualpipev'")
+        pipeline[name] = False
+
+
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
     """Sequence and context parallelism: the combinations that cannot work, one line each, and the
     pipeline keys SP needs (set here when absent).

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
     check_nonfinite_policy,
+    check_pipeline_schedule,
     check_pipeline_zero2,
     check_sequence_splits,
     check_zero_and_precision,
@@ -82,6 +83,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_sequence_splits(ds, hybrid)
     complete_batch_sizes(ds, world_size // (tp * pp * cp))
     ds["train_batch_size"] *= cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
+    check_pipeline_schedule(ds, hybrid)
     check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)

@@ -63,6 +63,10 @@ class HybridSection:
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128
+    # The pipeline schedule: "1f1b" (DeepSpeed's TrainSchedule) or "dualpipev" (DeepSpeed's DualPipeVEngine:
+    # each rank holds stages r and 2p-1-r). "interleaved" (virtual_pipeline_size > 1) is refused: not built yet.
+    pipeline_schedule: str = "1f1b"
+    virtual_pipeline_size: int = 1
     # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
     partition_method: str = "type:DecoderBlock"
     # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over

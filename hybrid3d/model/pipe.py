@@ -8,9 +8,10 @@ broadcasts it at start-up and all-reduces its gradient between the two stages ev
 
 from functools import lru_cache
 
-from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, set_random_seed
 
+from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, tied_lm_logits
@@ -30,6 +31,13 @@ def stage_bounds(num_layers: int, pp: int) -> tuple[int, ...]:
     norm, head] (a tied head is a second embedding spec), so it has L + 3 entries either way."""
     weights = [0] + [1] * num_layers + [0, 0]
     return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=pp))
+
+
+def check_schedule_stages(shape: LlamaShape, pp: int, schedule: str) -> None:
+    """DualPipeV cuts the model into 2p stages (rank r holds stages r and 2p-1-r): each needs a decoder block."""
+    if schedule == "dualpipev" and shape.num_layers < 2 * pp:
+        raise LayoutError(f"pipeline_schedule 'dualpipev' cuts the model into 2 * pipeline_parallel_size = {2 * pp} "
+                          f"stages, more than num_hidden_layers ({shape.num_layers})")
 
 
 def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: ContextParallelGroup | None = None) -> list:
@@ -53,10 +61,12 @@ def _seed_layer(seed) -> None:
 
 def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
                           partition_method: str = DEFAULT_PARTITION_METHOD,
-                          cp: ContextParallelGroup | None = None) -> PipelineModule:
-    """A PipelineModule over `layout.topology()`; `seed_layers` makes the initial weights
-    independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
-    return PipelineModule(
+                          cp: ContextParallelGroup | None = None, schedule: str = "1f1b") -> PipelineModule:
+    """A PipelineModule over `layout.topology()`, or for `schedule` "dualpipev" DeepSpeed's DualPipeVModule
+    (2p stages; `deepspeed.initialize` then builds the DualPipeVEngine); `seed_layers` makes the initial
+    weights independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
+    module_cls = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    return module_cls(
         layers=pipeline_layer_specs(shape, tp, cp),
         topology=layout.topology(),
         loss_fn=LanguageModelLoss(shape, tp, cp=cp),

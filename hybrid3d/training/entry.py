@@ -22,6 +22,7 @@ from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.training.model_source import resolve_model
+from hybrid3d.model.pipe import check_schedule_stages
 from hybrid3d.model.tp_plan import check_split
 
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
@@ -73,6 +74,7 @@ def prepare(args, overrides, world_size: int) -> Job:
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
     layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp)
     check_split(shape, layout.tp, layout.pp, layout.cp)
+    check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule)
     train, data = hybrid.train, hybrid.data
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "

@@ -56,13 +56,15 @@ def rank0_first(fn, rank: int):
 def layout_summary(trainer) -> list[str]:
     """One line per pipeline stage: its layers and parameters (per TP rank)."""
     module = trainer.module
-    if trainer.uses_pipeline:
+    if hasattr(module, "phase_bounds"):  # DualPipeV: this rank's two stages, r and 2p-1-r
+        layers = " and ".join(f"{int(a)}-{int(b) - 1}" for a, b in module.phase_bounds)
+    elif trainer.uses_pipeline:
         first, last = pipeline_stage_layers(module)
+        layers = f"{int(first)}-{int(last)}"
     else:
-        first, last = 0, len(module.layers) - 1
+        layers = f"0-{len(module.layers) - 1}"
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
-                 dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank,
-                 first=int(first), last=int(last),
+                 dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank, layers=layers,
                  params=sum(p.numel() for p in module.parameters()))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
@@ -70,7 +72,7 @@ def layout_summary(trainer) -> list[str]:
     for stage in range(trainer.layout.pp):
         ranks = [r for r in everyone if r["stage"] == stage and r["dp"] == 0 and r["cp"] == 0]
         r0 = ranks[0]
-        lines.append(f"  stage {stage}: layers {r0['first']}-{r0['last']}, "
+        lines.append(f"  stage {stage}: layers {r0['layers']}, "
                      f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
                      f"in the stage)")
     return lines

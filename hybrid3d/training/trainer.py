@@ -1,6 +1,7 @@
 """Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
 
-- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B), ZeRO stage 0 or 1; stage 2 with the
+- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B; DualPipeVModule + DualPipeVEngine with
+  `pipeline_schedule` "dualpipev"), ZeRO stage 0 or 1; stage 2 with the
   `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
 - pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
 With context parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
@@ -26,7 +27,7 @@ from hybrid3d.config.run_config import RunConfig, parse_config
 from hybrid3d.ds_internals import pipeline_module_uses_grid, pipeline_zero2
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
-from hybrid3d.model.pipe import build_pipeline_module
+from hybrid3d.model.pipe import build_pipeline_module, check_schedule_stages
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
@@ -170,6 +171,7 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
     layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp)
     check_split(shape, layout.tp, layout.pp, layout.cp)
+    check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule)
     groups = build_groups(layout)
     tp, cp = groups.tensor_parallel(), groups.context_parallel()
     seed = config.hybrid.seed
@@ -179,7 +181,7 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     if layout.pp > 1:
         with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
             module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
-                                           cp=cp)
+                                           cp=cp, schedule=config.hybrid.pipeline_schedule)
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,

@@ -33,11 +33,11 @@ def global_batch(step: int):
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-def micro_batches(step: int, dp_rank: int, dp: int):
+def micro_batches(step: int, dp_rank: int, dp: int, micro: int = MICRO_BATCH):
     ids, targets = global_batch(step)
     share = GLOBAL_BATCH // dp
     ids, targets = ids[dp_rank * share:(dp_rank + 1) * share], targets[dp_rank * share:(dp_rank + 1) * share]
-    return iter(list(zip(ids.split(MICRO_BATCH), targets.split(MICRO_BATCH))))
+    return iter(list(zip(ids.split(micro), targets.split(micro))))
 
 
 def ds_config(tp: int, pp: int, zero: int, **extra) -> dict:

@@ -37,7 +37,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     losses, forwards_per_step = [], []
     for step in range(STEPS):
         before = block_forwards[0]
-        losses.append(trainer.train_step(micro_batches(step, dp_rank, dp)))
+        losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         forwards_per_step.append(block_forwards[0] - before)
 
     optimizer = trainer.engine.optimizer
@@ -49,6 +49,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         "forwards_per_step": forwards_per_step,
         "block_inputs": sorted(block_inputs),
         "optimizer": type(optimizer).__name__,
+        "engine": type(trainer.engine).__name__,
         "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),
         "local_numel": sum(p.numel() for p in trainer.module.parameters()),

@@ -107,7 +107,19 @@ def sequence_runs():
             for name, case, tp, pp, dp, cp, zero, hybrid, extra in SEQUENCE_RUNS]
 
 
-ALL_RUNS = matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs()
+# DeepSpeed's DualPipeV schedule (`pipeline_schedule: "dualpipev"`): GAS >= 2p, so some runs use micro-batch 1.
+MICRO1 = {"train_micro_batch_size_per_gpu": 1}
+DUALPIPEV = {"pipeline_schedule": "dualpipev"}
+SCHEDULE_RUNS = [
+    dict(name="DualPipeV-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=2, hybrid=DUALPIPEV),
+    dict(name="DualPipeV-PP2-DP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=DUALPIPEV, extra=MICRO1),
+    dict(name="DualPipeV-tied-TP2-PP2-Z1", case="tied", tp=2, pp=2, zero=1, world=4, hybrid=DUALPIPEV),
+    dict(name="DualPipeV-tied-PP2-Z0", case="tied", tp=1, pp=2, zero=0, world=2, hybrid=DUALPIPEV),
+    dict(name="DualPipeV-CP2-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=dict(DUALPIPEV, context_parallel_size=2),
+         extra=MICRO1),
+]
+
+ALL_RUNS = matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS
 # The bf16 runs and their fp32 twins in a world of their own, so the bf16 tests can run alone
 # (under other CPU kernels: test_cpu_kernels.py) without the whole matrix.
 BF16_WORLD = BF16_RUNS + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS
@@ -181,6 +193,20 @@ def test_sequence_and_context_parallel_match_hf_over_five_steps(results, run):
     bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
     assert not bad, bad
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
+
+
+@pytest.mark.parametrize("run", SCHEDULE_RUNS, ids=lambda r: r["name"])
+def test_dualpipev_matches_hf_over_five_steps(results, run):
+    ref = results["ref"][run["case"]]
+    reports = results["runs"][run["name"]]
+    for report in reports:
+        assert report["engine"] == "DualPipeVEngine"
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
+    weights = merged_weights(reports)
+    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
+    assert not bad, bad
+    # each rank holds stages r and 2p-1-r: the 4 blocks spread over 2p stages
+    assert {r["blocks_on_rank"] for r in reports} == {4 // run["pp"]}
 
 
 def test_json_optimizer_default_adamw_matches_hf(results):

@@ -99,6 +99,27 @@ BAD_INPUTS = [
      8, "num_attention_heads (4) is not divisible by tensor_parallel_size * context_parallel_size (2 * 4)"),
     ("cp-zero-value", lambda c: h(c).update(context_parallel_size=0), None, [], 4,
      "hybrid3d.context_parallel_size must be >= 1, got 0"),
+    # Pipeline schedules.
+    ("unknown-schedule", lambda c: h(c).update(pipeline_schedule="gpipe"), None, [], 4,
+     "hybrid3d.pipeline_schedule must be one of '1f1b', 'interleaved', 'dualpipev', got 'gpipe'"),
+    ("interleaved-not-built", lambda c: h(c).update(pipeline_schedule="interleaved", virtual_pipeline_size=2), None, [],
+     4, "hybrid3d.pipeline_schedule='interleaved' (virtual_pipeline_size 2) is not available yet"),
+    ("dualpipev-gas", lambda c: (h(c).update(pipeline_schedule="dualpipev"), c.update(gradient_accumulation_steps=2)),
+     None, [], 4, "hybrid3d.pipeline_schedule='dualpipev' needs gradient_accumulation_steps >= 2 * "
+                  "pipeline_parallel_size = 4, got 2"),
+    ("dualpipev-without-pipeline", lambda c: h(c).update(pipeline_schedule="dualpipev", pipeline_parallel_size=1),
+     None, [], 4, "hybrid3d.pipeline_schedule='dualpipev' needs hybrid3d.pipeline_parallel_size > 1"),
+    ("dualpipev-pipeline-zero2", lambda c: (h(c).update(pipeline_schedule="dualpipev", pipeline_zero2=True),
+                                           c["zero_optimization"].update(stage=2)),
+     None, [], 4, "hybrid3d.pipeline_zero2 cannot run with hybrid3d.pipeline_schedule='dualpipev'"),
+    ("dualpipev-partitioned", lambda c: (h(c).update(pipeline_schedule="dualpipev"),
+                                        c.update(pipeline={"grad_partitioned": True})),
+     None, [], 4, "pipeline.grad_partitioned=true cannot be combined with hybrid3d.pipeline_schedule='dualpipev'"),
+    ("dualpipev-too-few-layers", lambda c: (h(c).update(pipeline_schedule="dualpipev", tensor_parallel_size=1,
+                                                        pipeline_parallel_size=4),
+                                            c.update(gradient_accumulation_steps=8)), None, [], 4,
+     "pipeline_schedule 'dualpipev' cuts the model into 2 * pipeline_parallel_size = 8 stages, more than "
+     "num_hidden_layers (4)"),
 ]
 
 
