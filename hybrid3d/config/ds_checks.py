@@ -100,6 +100,16 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
 SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 
 
+def turn_off_pipe_partitioning(ds: dict, needed_by: str) -> None:
+    """Set DeepSpeed's `pipeline.pipe_partitioned` and `grad_partitioned` false; either set true is refused,
+    naming what needs them off."""
+    pipeline = ds.setdefault("pipeline", {})
+    for name in ("pipe_partitioned", "grad_partitioned"):
+        if pipeline.get(name, False):
+            raise ConfigError(f"pipeline.{name}=true cannot be combined with {needed_by}")
+        pipeline[name] = False
+
+
 def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
     """`pipeline_schedule`: DualPipeV's requirements (DeepSpeed 0.19.8 `runtime/pipe/dualpipev.py` asserts them
     deep in start-up) as one line each; its pipe/grad partitioning keys set false when absent."""
@@ -119,11 +129,7 @@ def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
                           f"= {2 * pp}, got {gas}")
     if hybrid.pipeline_zero2:
         raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {key}='dualpipev' (use zero_optimization.stage 1)")
-    pipeline = ds.setdefault("pipeline", {})
-    for name in ("pipe_partitioned", "grad_partitioned"):
-        if pipeline.get(name, False):
-            raise ConfigError(f"pipeline.{name}=true cannot be combined with {key}='dualpipev'")
-        pipeline[name] = False
+    turn_off_pipe_partitioning(ds, f"{key}='dualpipev'")
 
 
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
@@ -143,12 +149,8 @@ def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
             raise ConfigError(f"activation_checkpointing.partition_activations cannot be combined with "
                               f"{SECTION}.sequence_parallel: the checkpointed activations are already split over TP")
         if pp > 1:
-            pipeline = ds.setdefault("pipeline", {})
-            for key in ("pipe_partitioned", "grad_partitioned"):
-                if pipeline.get(key, False):
-                    raise ConfigError(f"pipeline.{key}=true cannot be combined with {SECTION}.sequence_parallel: "
-                                      "the stage-to-stage activations are already split over TP")
-                pipeline[key] = False
+            turn_off_pipe_partitioning(ds, f"{SECTION}.sequence_parallel: the stage-to-stage activations are "
+                                           "already split over TP")
     split = cp * (tp if sp else 1)
     if seq % split:
         what = " * ".join(([f"context_parallel_size ({cp})"] if cp > 1 else [])

@@ -26,9 +26,11 @@ def check_deepspeed_version(installed: str | None = None) -> None:
                         f"(pip install deepspeed=={TESTED_DEEPSPEED})")
 
 
-def pipeline_stage_layers(module) -> tuple[int, int]:
-    """(first, last) global layer index a PipelineModule built on this rank (DeepSpeed keeps them private)."""
-    return int(module._local_start), int(module._local_stop) - 1
+def pipeline_stage_layers(module) -> list[tuple[int, int]]:
+    """[(first, last) global layer index] of each stage a PipelineModule built on this rank (DeepSpeed keeps
+    them private): one stage, or a DualPipeVModule's two (`phase_bounds`: stages r and 2p-1-r)."""
+    bounds = getattr(module, "phase_bounds", [(module._local_start, module._local_stop)])
+    return [(int(start), int(stop) - 1) for start, stop in bounds]
 
 
 @contextmanager

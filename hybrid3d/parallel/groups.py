@@ -18,12 +18,13 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"layout {layout.name} needs {layout.world_size} ranks (tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}"
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
-    return ProcessGroups(layout, grid, _context_group(grid._topo, layout.cp) if layout.cp > 1 else None)
+    context = _context_group(grid._topo, layout.cp) if layout.cp > 1 else ContextParallelGroup.single()
+    return ProcessGroups(layout, grid, context)
 
 
-def _context_group(topology, cp: int) -> tuple[list[int], object]:
+def _context_group(topology, cp: int) -> ContextParallelGroup:
     """Create every CP group, the c ranks of one (pipe, model) pair whose data' = data·c + r differ in r only
-    (a collective: all ranks create all groups in the same order), and return this rank's (ranks, group)."""
+    (a collective: all ranks create all groups in the same order), and return this rank's."""
     mine = None
     for pipe in range(topology.get_dim("pipe")):
         for model in range(topology.get_dim("model")):
@@ -31,7 +32,7 @@ def _context_group(topology, cp: int) -> tuple[list[int], object]:
                 ranks = [topology.get_rank(pipe=pipe, data=data + r, model=model) for r in range(cp)]
                 group = dist.new_group(ranks=ranks)
                 if dist.get_rank() in ranks:
-                    mine = (ranks, group)
+                    mine = ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=cp)
     return mine
 
 
@@ -44,10 +45,11 @@ class ProcessGroups:
     DeepSpeed uses it for checkpoint numbering and gradient-norm reductions.
     """
 
-    def __init__(self, layout: ParallelLayout, grid: PipelineParallelGrid, context: tuple | None = None):
+    def __init__(self, layout: ParallelLayout, grid: PipelineParallelGrid,
+                 context: ContextParallelGroup = ContextParallelGroup.single()):
         self.layout = layout
         self.grid = grid
-        self._context = context  # (ranks, group) of this rank's CP group when cp > 1
+        self._context = context
 
     # Tensor parallel: the grid's slice group.
     def get_tensor_model_parallel_group(self):
@@ -118,10 +120,7 @@ class ProcessGroups:
 
     def context_parallel(self) -> ContextParallelGroup:
         """What attention and the loss need for context parallelism (a group of one without it)."""
-        if not self._context:
-            return ContextParallelGroup.single()
-        ranks, group = self._context
-        return ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=len(ranks))
+        return self._context
 
     def data_shard(self) -> tuple[int, int]:
         """(rank, size) of this rank's data shard: the d replicas that read different sequences; the c CP

@@ -56,13 +56,8 @@ def rank0_first(fn, rank: int):
 def layout_summary(trainer) -> list[str]:
     """One line per pipeline stage: its layers and parameters (per TP rank)."""
     module = trainer.module
-    if hasattr(module, "phase_bounds"):  # DualPipeV: this rank's two stages, r and 2p-1-r
-        layers = " and ".join(f"{int(a)}-{int(b) - 1}" for a, b in module.phase_bounds)
-    elif trainer.uses_pipeline:
-        first, last = pipeline_stage_layers(module)
-        layers = f"{int(first)}-{int(last)}"
-    else:
-        layers = f"0-{len(module.layers) - 1}"
+    ranges = pipeline_stage_layers(module) if trainer.uses_pipeline else [(0, len(module.layers) - 1)]
+    layers = " and ".join(f"{first}-{last}" for first, last in ranges)  # DualPipeV: stages r and 2p-1-r
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
                  dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank, layers=layers,
                  params=sum(p.numel() for p in module.parameters()))

@@ -3,7 +3,6 @@
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.cross_entropy import (
     IGNORE_INDEX,
-    mean_token_loss,
     token_loss_sum,
     vocab_parallel_cross_entropy,
 )
@@ -31,7 +30,7 @@ from hybrid3d.parallel.tensor_parallel.random import seed_tensor_parallel_rng, t
 __all__ = [
     "IGNORE_INDEX", "ColumnParallelLinear", "ContextParallelGroup", "RowParallelLinear", "TensorParallelGroup",
     "VocabParallelEmbedding", "all_gather_sequence", "column_parallel_linears",
-    "copy_to_tp_region", "gather_from_tp_region", "leave_tp_region", "mean_token_loss", "padded_vocab_size",
+    "copy_to_tp_region", "gather_from_tp_region", "leave_tp_region", "padded_vocab_size",
     "reduce_from_tp_region", "reduce_scatter_sequence", "reduce_scatter_to_sequence_region", "replicated_weight",
     "scatter_to_tp_region", "token_loss_sum", "seed_tensor_parallel_rng", "tensor_parallel_rng", "vocab_parallel_cross_entropy",
     "vocab_parallel_logits",

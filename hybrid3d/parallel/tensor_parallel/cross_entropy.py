@@ -86,10 +86,3 @@ def token_loss_sum(logits, target, tp: TensorParallelGroup, vocab_size: int, ign
         z = logits[..., :vocab_size].float()  # (b, s, V): padded columns dropped
         return F.cross_entropy(z.flatten(0, 1), target.flatten(), ignore_index=ignore_index, reduction="sum"), count
     return vocab_parallel_cross_entropy(logits, target, tp, vocab_size, ignore_index).sum(), count
-
-
-def mean_token_loss(logits, target, tp: TensorParallelGroup, vocab_size: int, ignore_index: int = IGNORE_INDEX):
-    """Mean over non-ignored tokens, as `F.cross_entropy(reduction='mean')` and HF's causal-LM loss;
-    a batch with no target token gives 0, not NaN."""
-    total, count = token_loss_sum(logits, target, tp, vocab_size, ignore_index)
-    return total / count.clamp(min=1)

@@ -1,56 +1,52 @@
 """The process groups as the model's layers see them (no DeepSpeed import: the lowest layer)."""
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, ClassVar, Optional
 
 
 @dataclass(frozen=True)
-class TensorParallelGroup:
-    """A process group plus this rank's position in it, as the TP layers see it.
+class _RankGroup:
+    """A process group plus this rank's position in it. Layers receive it instead of reading a global,
+    so the model's math depends only on what it is given (a single-process model gets `single()`).
+    `group` is a torch/DeepSpeed process group, or None for a group of one: every collective is a no-op."""
 
-    Layers receive it instead of reading a global, so the model's math depends only on what it
-    is given (a single-process model gets `TensorParallelGroup.single()`).
-    `group` is a torch/DeepSpeed process group (the grid's slice group), or None when
-    the model is not tensor-parallel (size 1): then every collective is a no-op.
+    group: Optional[Any]
+    rank: int
+    size: int
+    KIND: ClassVar[str] = ""
+
+    @classmethod
+    def single(cls):
+        return cls(group=None, rank=0, size=1)
+
+    def __post_init__(self):
+        if not 0 <= self.rank < self.size:
+            raise ValueError(f"{self.KIND} rank {self.rank} is outside a group of size {self.size}")
+        if self.size > 1 and self.group is None:
+            raise ValueError(f"a {self.KIND} group of size {self.size} needs a process group")
+
+
+@dataclass(frozen=True)
+class TensorParallelGroup(_RankGroup):
+    """The TP group (the grid's slice group) as the TP layers see it.
 
     `sequence_parallel` (Korthikanti et al. 2022, §4.2.2): outside the TP regions activations are
     split along the sequence over the same group, (b, s/t, h); the TP layers then all-gather the
     sequence where Megatron's f copies and reduce-scatter it where g all-reduces.
     """
 
-    group: Optional[Any]
-    rank: int
-    size: int
     sequence_parallel: bool = False
-
-    @classmethod
-    def single(cls) -> "TensorParallelGroup":
-        return cls(group=None, rank=0, size=1)
+    KIND: ClassVar[str] = "tensor-parallel"
 
     def __post_init__(self):
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"tensor-parallel rank {self.rank} is outside a group of size {self.size}")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"a tensor-parallel group of size {self.size} needs a process group")
+        super().__post_init__()
         if self.sequence_parallel and self.size == 1:
             raise ValueError("sequence parallelism needs a tensor-parallel group of size > 1")
 
 
 @dataclass(frozen=True)
-class ContextParallelGroup:
+class ContextParallelGroup(_RankGroup):
     """The context-parallel (DeepSpeed-Ulysses) group: the c ranks that each hold s/c of every sequence
     and exchange attention heads for sequence positions around the attention core."""
 
-    group: Optional[Any]
-    rank: int
-    size: int
-
-    @classmethod
-    def single(cls) -> "ContextParallelGroup":
-        return cls(group=None, rank=0, size=1)
-
-    def __post_init__(self):
-        if not 0 <= self.rank < self.size:
-            raise ValueError(f"context-parallel rank {self.rank} is outside a group of size {self.size}")
-        if self.size > 1 and self.group is None:
-            raise ValueError(f"a context-parallel group of size {self.size} needs a process group")
+    KIND: ClassVar[str] = "context-parallel"
