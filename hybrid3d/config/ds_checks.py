@@ -111,25 +111,34 @@ def turn_off_pipe_partitioning(ds: dict, needed_by: str) -> None:
 
 
 def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
-    """`pipeline_schedule`: DualPipeV's requirements (DeepSpeed 0.19.8 `runtime/pipe/dualpipev.py` asserts them
-    deep in start-up) as one line each; its pipe/grad partitioning keys set false when absent."""
+    """`pipeline_schedule`: what DualPipeV (DeepSpeed 0.19.8 `runtime/pipe/dualpipev.py` asserts it deep in
+    start-up) and the interleaved schedule need, one line each; pipe/grad partitioning set false when absent
+    (both send whole activations between stages)."""
     schedule, key = hybrid.pipeline_schedule, f"{SECTION}.pipeline_schedule"
     if schedule not in SCHEDULES:
         raise ConfigError(f"{key} must be one of {', '.join(repr(s) for s in SCHEDULES)}, got {schedule!r}")
-    if schedule == "interleaved" or hybrid.virtual_pipeline_size != 1:
-        raise ConfigError(f"{key}='interleaved' (virtual_pipeline_size {hybrid.virtual_pipeline_size}) is not "
-                          "available yet: use '1f1b' or 'dualpipev'")
-    if schedule != "dualpipev":
+    v, pp, gas = hybrid.virtual_pipeline_size, hybrid.pipeline_parallel_size, ds["gradient_accumulation_steps"]
+    if schedule == "interleaved":
+        if not isinstance(v, int) or isinstance(v, bool) or v < 2:
+            raise ConfigError(f"{key}='interleaved' needs {SECTION}.virtual_pipeline_size >= 2 (model chunks per "
+                              f"rank), got {v!r}")
+    elif v != 1:
+        raise ConfigError(f"{SECTION}.virtual_pipeline_size={v!r} applies to {key}='interleaved' only, "
+                          f"not {schedule!r}")
+    if schedule == "1f1b":
         return
-    pp, gas = hybrid.pipeline_parallel_size, ds["gradient_accumulation_steps"]
     if pp == 1:
-        raise ConfigError(f"{key}='dualpipev' needs {SECTION}.pipeline_parallel_size > 1")
-    if gas < 2 * pp:
+        raise ConfigError(f"{key}={schedule!r} needs {SECTION}.pipeline_parallel_size > 1")
+    if schedule == "dualpipev" and gas < 2 * pp:
         raise ConfigError(f"{key}='dualpipev' needs gradient_accumulation_steps >= 2 * pipeline_parallel_size "
                           f"= {2 * pp}, got {gas}")
+    if schedule == "interleaved" and gas % pp:
+        raise ConfigError(f"{key}='interleaved' needs gradient_accumulation_steps ({gas}) divisible by "
+                          f"pipeline_parallel_size ({pp}): micro-batches go through the chunks in groups of p")
     if hybrid.pipeline_zero2:
-        raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {key}='dualpipev' (use zero_optimization.stage 1)")
-    turn_off_pipe_partitioning(ds, f"{key}='dualpipev'")
+        raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {key}={schedule!r} "
+                          "(use zero_optimization.stage 1)")
+    turn_off_pipe_partitioning(ds, f"{key}={schedule!r}")
 
 
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:

@@ -64,7 +64,8 @@ class HybridSection:
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128
     # The pipeline schedule: "1f1b" (DeepSpeed's TrainSchedule) or "dualpipev" (DeepSpeed's DualPipeVEngine:
-    # each rank holds stages r and 2p-1-r). "interleaved" (virtual_pipeline_size > 1) is refused: not built yet.
+    # each rank holds stages r and 2p-1-r) or "interleaved" (Megatron's interleaved 1F1B: each rank holds
+    # virtual_pipeline_size chunks, stages r, r+p, ...; hybrid3d.ds_internals.interleaved_pipeline).
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
     # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.

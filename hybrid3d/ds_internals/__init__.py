@@ -2,9 +2,9 @@
 
 hybrid3d uses DeepSpeed's public API everywhere else. The modules here read or replace internals
 that DeepSpeed may change in any release (PipelineEngine's instruction table and ZeRO-2 bookkeeping
-in pipeline_zero2.py, the fp32 pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in
-memory_probe.py, the CPU shared-memory segments in
-shm_buffers.py, PipelineModule's stage bounds below), so they are written and tested against one
+in pipeline_zero2.py, the interleaved schedule's module and engine in interleaved_pipeline.py, the fp32
+pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in memory_probe.py, the CPU
+shared-memory segments in shm_buffers.py, PipelineModule's stage bounds below), so they are written and tested against one
 version: `check_deepspeed_version()` turns any other into one line at start-up.
 """
 
@@ -31,6 +31,17 @@ def pipeline_stage_layers(module) -> list[tuple[int, int]]:
     them private): one stage, or a DualPipeVModule's two (`phase_bounds`: stages r and 2p-1-r)."""
     bounds = getattr(module, "phase_bounds", [(module._local_start, module._local_stop)])
     return [(int(start), int(stop) - 1) for start, stop in bounds]
+
+
+@contextmanager
+def swapped(owner, name: str, value):
+    """Rebind `owner.name` to `value` inside the block only (how a DeepSpeed class is replaced for one call)."""
+    saved = getattr(owner, name)
+    setattr(owner, name, value)
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved)
 
 
 @contextmanager

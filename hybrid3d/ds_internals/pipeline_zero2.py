@@ -28,7 +28,6 @@ once per step at the price of a local accumulator for the deferred parameters.
 """
 
 import functools
-from contextlib import contextmanager
 
 import deepspeed
 import deepspeed.comm as dist
@@ -40,21 +39,12 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
+from hybrid3d.ds_internals import swapped
+
 # Which collective reduces a bucket (`average_tensor`, `stage_1_and_2.py:1590-1723`): False sends each
 # owner's slices with one `dist.reduce`, (d-1)/d of the bucket per rank instead of a bucket all-reduce's
 # 2(d-1)/d; benchmarks/pipeline_zero2.py measures the choices.
 DEFAULT_ZERO_SETTINGS = {"use_multi_rank_bucket_allreduce": False}
-
-
-@contextmanager
-def _swapped(owner, name: str, value):
-    """Rebind `owner.name` to `value` inside the block only."""
-    saved = getattr(owner, name)
-    setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        setattr(owner, name, saved)
 
 
 class _StagesBelowWeights:
@@ -73,7 +63,7 @@ def initialize(deferred_fraction: float = 0.0, **kwargs):
     config = dict(kwargs.pop("config"))
     config["zero_optimization"] = {**DEFAULT_ZERO_SETTINGS, **config.get("zero_optimization", {})}
     engine_cls = functools.partial(ZeRO2PipelineEngine, deferred_fraction=deferred_fraction)
-    with _swapped(deepspeed, "PipelineEngine", engine_cls):
+    with swapped(deepspeed, "PipelineEngine", engine_cls):
         return deepspeed.initialize(config=config, **kwargs)
 
 
@@ -228,7 +218,7 @@ class ZeRO2PipelineEngine(PipelineEngine):
     """PipelineEngine with DeepSpeedZeroOptimizer partitioning gradients over DP (module docstring)."""
 
     def __init__(self, *args, deferred_fraction: float = 0.0, **kwargs):
-        with _swapped(pipe_engine, "ZeroStageEnum", _StagesBelowWeights):
+        with swapped(pipe_engine, "ZeroStageEnum", _StagesBelowWeights):
             super().__init__(*args, **kwargs)
         optimizer = self.optimizer
         if not (isinstance(optimizer, DeepSpeedZeroOptimizer) and optimizer.partition_gradients):

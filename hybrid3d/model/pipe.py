@@ -6,11 +6,13 @@ the LM head are one `TiedLayerSpec`: the first and the last stage each hold a co
 broadcasts it at start-up and all-reduces its gradient between the two stages every step.
 """
 
+import functools
 from functools import lru_cache
 
 from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced, set_random_seed
 
+from hybrid3d.ds_internals.interleaved_pipeline import InterleavedPipelineModule
 from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
@@ -33,11 +35,16 @@ def stage_bounds(num_layers: int, pp: int) -> tuple[int, ...]:
     return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=pp))
 
 
-def check_schedule_stages(shape: LlamaShape, pp: int, schedule: str) -> None:
-    """DualPipeV cuts the model into 2p stages (rank r holds stages r and 2p-1-r): each needs a decoder block."""
+def check_schedule_stages(shape: LlamaShape, pp: int, schedule: str, virtual: int = 1) -> None:
+    """DualPipeV cuts the model into 2p stages (rank r holds stages r and 2p-1-r): each needs a decoder block.
+    The interleaved schedule cuts it into v·p equal stages (Megatron's rule: v divides each rank's L/p layers)."""
     if schedule == "dualpipev" and shape.num_layers < 2 * pp:
         raise LayoutError(f"pipeline_schedule 'dualpipev' cuts the model into 2 * pipeline_parallel_size = {2 * pp} "
                           f"stages, more than num_hidden_layers ({shape.num_layers})")
+    if schedule == "interleaved" and shape.num_layers % (pp * virtual):
+        raise LayoutError(f"virtual_pipeline_size {virtual} must divide the {shape.num_layers}/{pp} decoder layers of "
+                          f"each pipeline stage (num_hidden_layers divisible by pipeline_parallel_size * "
+                          f"virtual_pipeline_size = {pp * virtual})")
 
 
 def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: ContextParallelGroup | None = None) -> list:
@@ -61,11 +68,14 @@ def _seed_layer(seed) -> None:
 
 def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
                           partition_method: str = DEFAULT_PARTITION_METHOD,
-                          cp: ContextParallelGroup | None = None, schedule: str = "1f1b") -> PipelineModule:
-    """A PipelineModule over `layout.topology()`, or for `schedule` "dualpipev" DeepSpeed's DualPipeVModule
-    (2p stages; `deepspeed.initialize` then builds the DualPipeVEngine); `seed_layers` makes the initial
+                          cp: ContextParallelGroup | None = None, schedule: str = "1f1b",
+                          virtual: int = 1) -> PipelineModule:
+    """A PipelineModule over `layout.topology()`; for `schedule` "dualpipev" DeepSpeed's DualPipeVModule
+    (2p stages; `deepspeed.initialize` then builds the DualPipeVEngine), for "interleaved" an
+    InterleavedPipelineModule of `virtual` chunks per rank (v·p stages). `seed_layers` makes the initial
     weights independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
-    module_cls = DualPipeVModule if schedule == "dualpipev" else PipelineModule
+    module_cls = {"dualpipev": DualPipeVModule, "1f1b": PipelineModule,
+                  "interleaved": functools.partial(InterleavedPipelineModule, virtual_stages=virtual)}[schedule]
     return module_cls(
         layers=pipeline_layer_specs(shape, tp, cp),
         topology=layout.topology(),

@@ -74,7 +74,7 @@ def prepare(args, overrides, world_size: int) -> Job:
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
     layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp)
     check_split(shape, layout.tp, layout.pp, layout.cp)
-    check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule)
+    check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
     train, data = hybrid.train, hybrid.data
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "

@@ -1,7 +1,8 @@
 """Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
 
 - pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B; DualPipeVModule + DualPipeVEngine with
-  `pipeline_schedule` "dualpipev"), ZeRO stage 0 or 1; stage 2 with the
+  `pipeline_schedule` "dualpipev"; hybrid3d's InterleavedPipelineModule + InterleavedPipelineEngine with
+  "interleaved"), ZeRO stage 0 or 1; stage 2 with the
   `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
 - pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
 With context parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
@@ -24,13 +25,14 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.run_config import RunConfig, parse_config
-from hybrid3d.ds_internals import pipeline_module_uses_grid, pipeline_zero2
+from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.pipe import build_pipeline_module, check_schedule_stages
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
 from hybrid3d.model.tp_plan import check_split
 
@@ -171,7 +173,7 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
     layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp)
     check_split(shape, layout.tp, layout.pp, layout.cp)
-    check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule)
+    check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule, config.hybrid.virtual_pipeline_size)
     groups = build_groups(layout)
     tp, cp = groups.tensor_parallel(), groups.context_parallel()
     seed = config.hybrid.seed
@@ -181,7 +183,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     if layout.pp > 1:
         with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
             module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
-                                           cp=cp, schedule=config.hybrid.pipeline_schedule)
+                                           cp=cp, schedule=config.hybrid.pipeline_schedule,
+                                           virtual=config.hybrid.virtual_pipeline_size)
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
@@ -192,6 +195,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
     initialize = deepspeed.initialize
+    if config.hybrid.pipeline_schedule == "interleaved":  # Megatron's interleaved 1F1B on DeepSpeed's engine
+        initialize = functools.partial(interleaved_pipeline.initialize, schedule_cls=InterleavedSchedule)
     if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)
         initialize = functools.partial(pipeline_zero2.initialize,
                                        deferred_fraction=config.hybrid.pipeline_zero2_deferred_fraction)
