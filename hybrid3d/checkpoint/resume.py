@@ -58,10 +58,18 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
                               "(truncated or overwritten)")
 
 
+def recorded_schedule(pp: int, schedule: str, virtual: int) -> dict:
+    """The pipeline schedule as a checkpoint's layout records it (without a pipeline there is none: 1F1B)."""
+    return {"schedule": schedule, "virtual": virtual} if pp > 1 else {"schedule": "1f1b", "virtual": 1}
+
+
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
-                cp: int = 1) -> ResumePlan:
+                cp: int = 1, schedule: str = "1f1b", virtual: int = 1) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
-    saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks)."""
+    saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
+    schedule decides which layers a rank holds (DualPipeV: stages r and 2p-1-r; interleaved: r + k·p), so
+    a checkpoint of another schedule at the same sizes is resharded too; one saved before schedules were
+    recorded is 1F1B."""
     load_dir, tag = find_checkpoint(load, save_dir)
     meta = read_meta(load_dir / tag)
     if meta is None:
@@ -79,5 +87,7 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
-    universal = not module_only and (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1)) != (tp, pp, dp, cp)
+    saved_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("schedule", "1f1b"),
+                    saved.get("virtual", 1))
+    universal = not module_only and saved_layout != (tp, pp, dp, cp, schedule, virtual)
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

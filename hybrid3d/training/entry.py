@@ -11,7 +11,7 @@ import os
 import sys
 from pathlib import Path
 
-from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
+from hybrid3d.checkpoint.resume import ResumePlan, plan_resume, recorded_schedule
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
 from hybrid3d.config.run_config import parse_config
 from hybrid3d.config.sections import parse_hybrid_section, read_json
@@ -93,7 +93,8 @@ def prepare(args, overrides, world_size: int) -> Job:
     if hybrid.checkpoint.load:
         structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
         plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure,
-                           cp=layout.cp)
+                           cp=layout.cp, **recorded_schedule(layout.pp, hybrid.pipeline_schedule,
+                                                               hybrid.virtual_pipeline_size))
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     hf_weights = None

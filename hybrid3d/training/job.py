@@ -15,6 +15,7 @@ import numpy as np
 from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
+from hybrid3d.checkpoint.resume import recorded_schedule
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
 from hybrid3d.checkpoint.universal import convert_to_universal
 from hybrid3d.data import build_training_data, micro_batches
@@ -51,6 +52,15 @@ def rank0_first(fn, rank: int):
     if error[0] is not None:
         raise ConfigError(error[0]) if rank == 0 else ReportedError(error[0])
     return result if rank == 0 else fn()
+
+
+def schedule_note(pp: int, hybrid) -> str:
+    """How the pipeline is scheduled, when it is not DeepSpeed's 1F1B."""
+    if pp == 1 or hybrid.pipeline_schedule == "1f1b":
+        return ""
+    if hybrid.pipeline_schedule == "interleaved":
+        return f", interleaved 1F1B schedule ({hybrid.virtual_pipeline_size} chunks per rank)"
+    return ", DualPipeV schedule"
 
 
 def layout_summary(trainer) -> list[str]:
@@ -161,7 +171,8 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         info(f"loaded {job.plan.load_dir / job.plan.tag} at step {step}", is_rank0)
 
     dp_rank = trainer.groups.data_shard()[0]
-    info(f"layout {layout.name}: {job.shape.num_layers} decoder layers, ZeRO stage {config.zero_stage}, "
+    info(f"layout {layout.name}{schedule_note(layout.pp, hybrid)}: {job.shape.num_layers} decoder layers, "
+         f"ZeRO stage {config.zero_stage}, "
          f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
          f"= {config.sequences_per_step} sequences of {hybrid.data.seq_length} tokens"
          f"{sequence_split(layout, hybrid.data.seq_length)}", is_rank0)
@@ -190,7 +201,8 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     peak = hybrid.train.peak_tflops or peak_tflops()
     logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
-    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp},
+    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
+                       **recorded_schedule(layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)},
             "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
     saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)
     last_saved = step if job.plan is not None and not job.plan.module_only else None

@@ -12,6 +12,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     import deepspeed.comm as dist
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
+    from hybrid3d.ds_internals import pipeline_stage_layers
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
@@ -46,6 +47,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
+        "stage_layers": pipeline_stage_layers(trainer.module) if trainer.uses_pipeline else None,
         "forwards_per_step": forwards_per_step,
         "block_inputs": sorted(block_inputs),
         "optimizer": type(optimizer).__name__,

@@ -118,8 +118,18 @@ SCHEDULE_RUNS = [
     dict(name="DualPipeV-CP2-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=dict(DUALPIPEV, context_parallel_size=2),
          extra=MICRO1),
 ]
+# Interleaved 1F1B (`pipeline_schedule: "interleaved"`, v = 2): GAS a multiple of p; the 4 blocks in 4 stages.
+INTERLEAVED = {"pipeline_schedule": "interleaved", "virtual_pipeline_size": 2}
+INTERLEAVED_RUNS = [
+    dict(name="Interleaved-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=2, hybrid=INTERLEAVED),
+    dict(name="Interleaved-tied-PP2-Z0", case="tied", tp=1, pp=2, zero=0, world=2, hybrid=INTERLEAVED),
+    dict(name="Interleaved-PP2-DP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=INTERLEAVED, extra=MICRO1),
+    dict(name="Interleaved-tied-TP2-PP2-Z1", case="tied", tp=2, pp=2, zero=1, world=4, hybrid=INTERLEAVED),
+    dict(name="Interleaved-ckpt-CP2-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4,
+         hybrid=dict(INTERLEAVED, context_parallel_size=2), extra={"pipeline": {"activation_checkpoint_interval": 1}}),
+]
 
-ALL_RUNS = matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS
+ALL_RUNS = matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS + INTERLEAVED_RUNS
 # The bf16 runs and their fp32 twins in a world of their own, so the bf16 tests can run alone
 # (under other CPU kernels: test_cpu_kernels.py) without the whole matrix.
 BF16_WORLD = BF16_RUNS + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS
@@ -207,6 +217,24 @@ def test_dualpipev_matches_hf_over_five_steps(results, run):
     assert not bad, bad
     # each rank holds stages r and 2p-1-r: the 4 blocks spread over 2p stages
     assert {r["blocks_on_rank"] for r in reports} == {4 // run["pp"]}
+
+
+@pytest.mark.parametrize("run", INTERLEAVED_RUNS, ids=lambda r: r["name"])
+def test_interleaved_matches_hf_over_five_steps(results, run):
+    ref = results["ref"][run["case"]]
+    reports = results["runs"][run["name"]]
+    for report in reports:
+        assert report["engine"] == "InterleavedPipelineEngine"
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
+        # Megatron's placement: rank 0 holds stages 0 and 2 (embedding + block 0, block 2), rank 1 stages 1 and
+        # 3 (block 1, block 3 + norm + head); layer indices are global, the tied head is spec 6
+        assert report["stage_layers"] == ([(0, 1), (3, 3)] if report["stage"] == 0 else [(2, 2), (4, 6)])
+        # 2 blocks x 4 micro-batches per step, each block run again in backward under checkpointing
+        recompute = 2 if "ckpt" in run["name"] else 1
+        assert report["forwards_per_step"] == [2 * 4 * recompute] * STEPS
+    weights = merged_weights(reports)
+    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
+    assert not bad, bad
 
 
 def test_json_optimizer_default_adamw_matches_hf(results):

@@ -8,6 +8,7 @@ the uninterrupted run's checkpoint at other layouts through the universal checkp
 import json
 import math
 import re
+import shutil
 import signal
 import subprocess
 import time
@@ -90,7 +91,10 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
     (4, ["--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2"]),
     # sequence and context parallelism change no weight: the TP2xPP2 checkpoint evaluates the same
     (4, ["--pipeline_parallel_size", "1", "--context_parallel_size", "2", "--sequence_parallel", "true"]),
-], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2"])
+    # the same sizes under another schedule hold other layers per rank: resharded too
+    (4, ["--pipeline_schedule", "interleaved", "--virtual_pipeline_size", "2"]),
+    (4, ["--pipeline_schedule", "dualpipev"]),
+], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev"])
 def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
     result = launch(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
                     str(uninterrupted["out"] / "checkpoints"), "--eval-only")
@@ -99,6 +103,42 @@ def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, nu
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     reference = uninterrupted["metrics"][-1]["eval_loss"]
     assert math.isclose(eval_loss, reference, rel_tol=1e-5), (eval_loss, reference)
+
+
+def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterrupted, tmp_path):
+    """The demo at TP2xPP2 with the interleaved schedule (2 chunks per rank): the 1F1B run's losses (fp32); its
+    step-4 checkpoint resumed continues bit for bit; its last checkpoint evaluates at TP1xPP1 through the
+    universal checkpoint to its own eval loss."""
+    config = demo_config(tmp_path, pipeline_schedule="interleaved", virtual_pipeline_size=2)
+    trained = launch(4, config)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "interleaved 1F1B schedule (2 chunks per rank)" in trained.stdout
+    assert "stage 0: layers 0-1 and 3-3" in trained.stdout  # rank 0 holds stages 0 and 2 of 4
+    metrics = read_metrics(tmp_path / "run")
+    reference = uninterrupted["metrics"]
+    for field in ("loss", "eval_loss"):
+        ours, theirs = [m.get(field) for m in metrics], [m.get(field) for m in reference]
+        assert [x is None for x in ours] == [x is None for x in theirs]
+        assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, theirs) if a is not None), (ours, theirs)
+
+    checkpoints = tmp_path / "run" / "checkpoints"
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    for name in ("global_step4", "hf"):
+        shutil.copytree(checkpoints / name, resumed_dir / name)
+    (resumed_dir / "latest").write_text("global_step4")
+    resumed = launch(4, config, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.load", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" not in resumed.stdout
+    assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
+
+    evaluated = launch(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+                       "--pipeline_schedule", "1f1b", "--virtual_pipeline_size", "1", "--checkpoint.load",
+                       str(checkpoints), "--eval-only")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    assert "through DeepSpeed's universal checkpoint" in evaluated.stdout
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", evaluated.stdout).group(1))
+    assert math.isclose(eval_loss, metrics[-1]["eval_loss"], rel_tol=1e-5), (eval_loss, metrics[-1]["eval_loss"])
 
 
 def test_training_starts_from_hf_weights(tmp_path):
