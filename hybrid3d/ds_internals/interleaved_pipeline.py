@@ -56,6 +56,12 @@ class _PostedBatch:
             work.wait()
         self.works = []
 
+    def finished(self) -> bool:
+        """True once every message has arrived or left (the batch then drops its works and their tensors)."""
+        if all(work.is_completed() for work in self.works):
+            self.wait()
+        return not self.works
+
 
 class InterleavedPipelineModule(PipelineModule):
     """A PipelineModule cut into `virtual_stages · p` stages; rank r builds stages r + k·p as chunk k.
@@ -248,7 +254,8 @@ class InterleavedPipelineEngine(PipelineEngine):
         for key, ops in list(self._pending.items()):
             if ops is self._queued:
                 self._pending[key] = batch
-        self._posted.append(batch)
+        # sent gradients would otherwise stay alive until the step ends
+        self._posted = [b for b in self._posted if not b.finished()] + [batch]
         self._queued = []
 
     def _wait(self, kind, buffer_id):

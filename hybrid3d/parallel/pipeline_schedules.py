@@ -167,12 +167,15 @@ def ideal_bubble(schedule: str, p: int, m: int, v: int = 1) -> float:
     return run_timeline(schedule_orders(schedule, p, m), 0.5, 1.0).bubble_fraction()
 
 
-def peak_in_flight(order: list[PassOp]) -> int:
-    """Most (micro-batch, stage) passes whose forward ran and whose backward has not: the activations a rank
-    holds at once, counted in stage-sized units (a stage is 1/v of the rank's layers when interleaved)."""
+def peak_in_flight(order: list[PassOp], stage_weight=None) -> float:
+    """Most activations a rank holds at once: (micro-batch, stage) passes whose forward ran and whose backward
+    has not, each weighing `stage_weight(stage)` (default 1: counted in stage-sized units; a stage is 1/v of
+    the rank's layers when interleaved). With the bytes a stage keeps per micro-batch as the weight, the
+    peak activation memory of the rank's schedule."""
+    weight = stage_weight or (lambda stage: 1)
     held = peak = 0
     for op in order:
-        held += 1 if op.forward else -1
+        held += weight(op.stage) if op.forward else -weight(op.stage)
         peak = max(peak, held)
     return peak
 

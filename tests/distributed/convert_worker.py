@@ -18,7 +18,9 @@ def train_from_converted(job: dict) -> dict:
     from hybrid3d.training.trainer import build_trainer
 
     shape = LlamaShape.from_hf(AutoConfig.from_pretrained(job["hf_dir"]))
-    trainer = build_trainer(ds_config(job["tp"], job["pp"], job["zero"]), shape)  # random init, then load
+    config = ds_config(job["tp"], job["pp"], job["zero"])
+    config["hybrid3d"].update(job.get("hybrid", {}))  # the pipeline schedule
+    trainer = build_trainer(config, shape)  # random init, then load
     client = trainer.load(job["checkpoint"])
     steps_after_load = trainer.global_steps
     dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()

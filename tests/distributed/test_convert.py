@@ -247,10 +247,13 @@ def world(sources, tmp_path_factory):
     layer["self_attn.o_proj.weight"][0, 0] += 1e-2  # one weight of one TP shard
     torch.save(layer, path)
     jobs = [dict(name="TP2-PP2-DP1", tp=2, pp=2, zero=1, keep_client_state=True),
-            dict(name="TP2-PP1-DP2", tp=2, pp=1, zero=2, keep_client_state=False)]
-    for job, converted in zip(jobs, ("tp2pp2", "tp2pp1")):
+            dict(name="TP2-PP1-DP2", tp=2, pp=1, zero=2, keep_client_state=False),
+            # the same TP2xPP2 conversion under the interleaved schedule: its ranks read other layer files
+            dict(name="TP2-PP2-DP1-interleaved", tp=2, pp=2, zero=1, keep_client_state=True,
+                 hybrid={"pipeline_schedule": "interleaved", "virtual_pipeline_size": 2})]
+    for job, converted in zip(jobs, ("tp2pp2", "tp2pp1", "tp2pp2")):
         job.update(hf_dir=str(hf_dir), checkpoint=str(root / f"converted-{converted}"),
-                   save_dir=str(root / f"trained-{converted}"))
+                   save_dir=str(root / f"trained-{job['name']}"))
     verify = {name: ["--hf-model", str(hf_dir), "--checkpoint", str(root / name)]
               for name in ("converted-tp2pp2", "converted-tp2pp1", "corrupted-tp2pp2")}
     ranks = run_world(convert_world, 4, str(root / "results"), jobs, verify)
@@ -263,7 +266,7 @@ def hf_eval_loss(model_dir) -> float:
         return F.cross_entropy(load_hf(model_dir)(ids).logits.flatten(0, 1), targets.flatten()).item()
 
 
-@pytest.mark.parametrize("name", ["TP2-PP2-DP1", "TP2-PP1-DP2"])
+@pytest.mark.parametrize("name", ["TP2-PP2-DP1", "TP2-PP1-DP2", "TP2-PP2-DP1-interleaved"])
 def test_trainer_loads_converted_weights_and_trains_like_hf(world, name):
     ref_loss = hf_eval_loss(world["hf_dir"])
     ref_losses = world["ref"]["losses"]
@@ -278,7 +281,7 @@ def test_trainer_loads_converted_weights_and_trains_like_hf(world, name):
     assert ref_losses[-1] < ref_losses[0] - 0.05
 
 
-@pytest.mark.parametrize("name", ["TP2-PP2-DP1", "TP2-PP1-DP2"])
+@pytest.mark.parametrize("name", ["TP2-PP2-DP1", "TP2-PP1-DP2", "TP2-PP2-DP1-interleaved"])
 def test_trained_checkpoint_exports_to_hf(world, name, tmp_path):
     job = next(j for j in world["jobs"] if j["name"] == name)
     out = tmp_path / "exported"
@@ -297,8 +300,8 @@ def test_trained_checkpoint_exports_to_hf(world, name, tmp_path):
     assert not bad, bad
 
 
-@pytest.mark.parametrize("converted, trained", [("converted-tp2pp2", "trained-tp2pp2"),
-                                                ("converted-tp2pp1", "trained-tp2pp1")])
+@pytest.mark.parametrize("converted, trained", [("converted-tp2pp2", "trained-TP2-PP2-DP1"),
+                                                ("converted-tp2pp1", "trained-TP2-PP1-DP2")])
 def test_converted_layout_is_what_the_trainer_writes(world, converted, trained):
     """Same model-state files, the same keys in them, and the same tensor names and shapes."""
     root = world["root"]
