@@ -18,11 +18,9 @@ from functools import lru_cache
 
 from deepspeed.runtime.pipe import schedule as ds_schedule
 
+from hybrid3d.errors import LayoutError
+
 SCHEDULES = ("1f1b", "interleaved", "dualpipev")
-
-
-class ScheduleError(ValueError):
-    """Orders that cannot run: an op waits for one that never comes."""
 
 
 @dataclass(frozen=True)
@@ -53,7 +51,7 @@ def interleaved_order(p: int, v: int, m: int, rank: int, forward_only: bool = Fa
     chunk v-1-that backward: groups of p micro-batches go through one chunk, then the next. Warm-up is
     2·(p-1-r) + (v-1)·p forwards, then one forward and one backward in turn."""
     if m % p:
-        raise ScheduleError(f"the interleaved schedule needs micro-batches ({m}) divisible by pipeline ranks ({p})")
+        raise LayoutError(f"the interleaved schedule needs micro-batches ({m}) divisible by pipeline ranks ({p})")
     total = m * v
 
     def op(k: int, forward: bool) -> PassOp:
@@ -118,7 +116,7 @@ class Timeline:
 
 def run_timeline(orders: list[list[PassOp]], forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
     """Run every rank's order as early as its dependencies allow (communication free, every stage taking
-    `forward_time` and `backward_time` per pass). Raises ScheduleError if the orders deadlock."""
+    `forward_time` and `backward_time` per pass). Raises RuntimeError (a bug in the orders) if they deadlock."""
     stages = 1 + max(op.stage for order in orders for op in order)
     done: dict[tuple, float] = {}  # (forward, micro_batch, stage) -> end time
     starts = [[] for _ in orders]
@@ -145,7 +143,7 @@ def run_timeline(orders: list[list[PassOp]], forward_time: float = 1.0, backward
                 progressed = True
         if not progressed:
             stuck = {r: str(o[position[r]]) for r, o in enumerate(orders) if position[r] < len(o)}
-            raise ScheduleError(f"pipeline orders deadlock; next passes per rank: {stuck}")
+            raise RuntimeError(f"pipeline orders deadlock; next passes per rank: {stuck}")
     return Timeline(orders, starts, ends)
 
 

@@ -31,12 +31,27 @@ norm (8·s_c·b·h + 4·s_c·b, /t with SP) and the cross entropy: without TP to
 (fp32, 4·s_c·b·V), with TP the fp32 softmax of the vocab-parallel loss (4·s_c·b·V_p/t) and its masks, plus
 the int64 targets 8·s_c·b. The bf16 logits themselves are not kept. With full checkpointing a layer keeps
 only its input 2·s_c·b·h (/t with SP or `partition_activations`; the config refuses both) and one layer
-is recomputed at a time. 1F1B keeps min(p - stage, m) micro-batches in flight (Narayanan et al. 2021, §2.2).
+is recomputed at a time.
+
+Pipeline schedules (`parallel.pipeline_schedules`; S stages, rank r holds stage r (1F1B), stages r + k·p,
+k < v (interleaved, S = v·p), or stages r and 2p-1-r (DualPipeV, S = 2p)). Stage σ keeps per micro-batch
+    a_σ = L_σ·(a_layer, or 2·s_c·b·h [/t] with checkpointing) + [σ = 0]·a_in + [σ = S-1]·a_out,
+L_σ its decoder blocks (`stage_bounds(L, S)`), a_in/a_out the first and last stage's extras above. Rank r
+holds at most
+    A_r = max over the prefixes of its pass order of Σ_{(i, σ) forward run, backward not yet} a_σ
+(`peak_in_flight`), + a_layer with checkpointing (one layer recomputed at a time). 1F1B keeps
+min(p - r, m) micro-batches in flight: A_r = min(p - r, m)·a_r (Narayanan et al. 2021, §2.2). Interleaved
+1F1B runs 2(p-1-r) + (v-1)·p warm-up forwards, so rank 0 peaks at v·p + p - 1 chunks of L/(v·p) layers:
+L·(1 + (p-1)/(p·v)) layers' worth, 1 + (p-1)/(p·v) times 1F1B's L (Narayanan et al. 2021, §2.2, when
+v·m >= v·p + p - 1; Korthikanti et al. 2022 state the same factor).
 """
 
+from functools import lru_cache
+
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.pipe import stage_bounds
+from hybrid3d.model.pipe import check_schedule_stages, stage_bounds
 from hybrid3d.model.tp_plan import context_kv_heads, kv_heads_per_rank
+from hybrid3d.parallel.pipeline_schedules import PassOp, num_stages, peak_in_flight, schedule_orders
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 
 
@@ -107,26 +122,52 @@ def in_flight_micro_batches(pp: int, stage: int, gas: int) -> int:
     return min(pp - stage, gas) if pp > 1 else 1
 
 
+def rank_stages(schedule: str, p: int, rank: int, v: int = 1) -> list[int]:
+    """The stages pipeline rank r holds, in the order it builds them: [r] (1F1B), [r, r + p, ..., r + (v-1)·p]
+    (interleaved, Megatron's placement), [r, 2p-1-r] (DualPipeV, DeepSpeed's DualPipeVModule)."""
+    if schedule == "dualpipev":
+        return [rank, 2 * p - 1 - rank]
+    return [rank + k * p for k in range(v if schedule == "interleaved" else 1)]
+
+
+@lru_cache(maxsize=128)
+def _orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[PassOp, ...], ...]:
+    # Cached: the planner asks for the same orders for every rank, micro-batch size and ZeRO stage.
+    return tuple(tuple(order) for order in schedule_orders(schedule, p, m, v))
+
+
 def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
+    """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p)."""
     bounds = stage_bounds(shape.num_layers, pp)
     return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
 
 
 def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
                      checkpointing: bool = False, partition_activations: bool = False,
-                     flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1) -> float:
-    """Activation bytes of one rank of `stage`: in-flight micro-batches x (its layers' activations, or
-    with checkpointing their inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing
-    one layer being recomputed."""
+                     flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1,
+                     schedule: str = "1f1b", virtual: int = 1) -> float:
+    """Activation bytes of one rank: A_r of the module docstring. With the 1F1B `schedule` `stage` is the
+    rank's stage, and A_r = in-flight micro-batches x (its layers' activations, or with checkpointing their
+    inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing one layer being recomputed.
+    With "interleaved" (`virtual` = v chunks per rank) or "dualpipev" `stage` is the pipeline rank r, and
+    the rank's pass order weighs each of its stages σ by a_σ."""
     if sequence_parallel and partition_activations:
         raise ValueError("sequence_parallel and partition_activations exclude each other")
-    layers = stage_layer_count(shape, pp, stage)
     per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp)
-    extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp) if stage == pp - 1 else 0.0
-    if stage == 0:
-        extra += input_layer_activation_bytes(shape, b, s, tp, cp)
+    kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
     if checkpointing:
         kept = 2 * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
-        per_micro = layers * kept + extra
-        return in_flight_micro_batches(pp, stage, gas) * per_micro + per_layer
-    return in_flight_micro_batches(pp, stage, gas) * (layers * per_layer + extra)
+        recompute = per_layer
+
+    def stage_bytes(sigma: int, stages: int) -> float:  # a_σ: what stage σ of `stages` keeps per micro-batch
+        extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp) if sigma == stages - 1 else 0.0
+        if sigma == 0:
+            extra += input_layer_activation_bytes(shape, b, s, tp, cp)
+        return stage_layer_count(shape, stages, sigma) * kept + extra
+
+    if schedule == "1f1b":
+        return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute
+    check_schedule_stages(shape, pp, schedule, virtual)
+    stages = num_stages(schedule, pp, virtual)
+    weights = {sigma: stage_bytes(sigma, stages) for sigma in rank_stages(schedule, pp, stage, virtual)}
+    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute

@@ -34,7 +34,10 @@ reduction in the last backward or in the release of the Ψ_def deferred elements
 (`pipeline_zero2_deferred_fraction`, fp32 accumulators): T gradient elements are outside the bucket
 then (`_pipeline_zero2_grads` replays the bucketing).
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
-count of one TP rank of one pipeline stage (`stage_parameter_numels`).
+count of one TP rank of one pipeline rank (`rank_parameter_numels`): its stage with 1F1B, its v stages
+r + k·p with the interleaved schedule (as many blocks as 1F1B's stage r, v·p dividing L; embedding on rank
+0, head on rank p-1), stages r and 2p-1-r with DualPipeV (rank 0 holds the embedding and the head, one
+module when tied).
 
 With context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) the c ranks of a CP group hold the
 same parameters (one TP shard of one stage), and ZeRO partitions over DeepSpeed's data-parallel group,
@@ -47,16 +50,19 @@ Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP a
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import stage_bounds
 from hybrid3d.model.tp_plan import kv_rows_per_rank
+from hybrid3d.parallel.pipeline_schedules import num_stages
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 from hybrid3d.planning.activations import (  # noqa: F401 (re-exported: the memory model's public names)
     activation_bytes,
     activation_bytes_per_layer,
     in_flight_micro_batches,
     output_layer_activation_bytes,
+    rank_stages,
     stage_layer_count,
 )
 
@@ -99,13 +105,22 @@ def layer_parameter_numels(shape: LlamaShape, t: int) -> list[tuple[str, list[in
 
 
 def stage_parameter_numels(shape: LlamaShape, t: int, pp: int, stage: int) -> list[int]:
-    """Sizes of the parameters one TP rank of `stage` holds, in `module.parameters()` order.
+    """Sizes of the parameters one TP rank of 1F1B `stage` holds, in `module.parameters()` order."""
+    return rank_parameter_numels(shape, t, pp, stage)
 
-    A tied embedding lives in `tied_modules` (registered before the layers) on the first stage and,
-    as the head's copy, on the last; every other layer in spec order."""
+
+def rank_parameter_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedule: str = "1f1b",
+                          v: int = 1) -> list[int]:
+    """Sizes of the parameters one TP rank of pipeline rank `rank` holds under `schedule`, in
+    `module.parameters()` order: the layers of its stages (`rank_stages`; v·p stages when interleaved,
+    2p for DualPipeV, so DualPipeV's rank 0 holds the embedding and the head) in the order it builds them.
+
+    A tied embedding lives in `tied_modules` (registered before the layers) on the rank of the first stage
+    and, as the head's copy, on that of the last; a rank holding both (p = 1, DualPipeV's rank 0) shares
+    one module."""
     specs = layer_parameter_numels(shape, t)
-    bounds = stage_bounds(shape.num_layers, pp)
-    local = specs[bounds[stage]:bounds[stage + 1]]
+    bounds = stage_bounds(shape.num_layers, num_stages(schedule, pp, v))
+    local = [spec for stage in rank_stages(schedule, pp, rank, v) for spec in specs[bounds[stage]:bounds[stage + 1]]]
     tied = shape.tie_word_embeddings
     first = [n for kind, sizes in local if tied and kind in ("Embedding", "TiedEmbedding") for n in sizes][:1]
     rest = [n for kind, sizes in local if not (tied and kind in ("Embedding", "TiedEmbedding")) for n in sizes]
@@ -303,9 +318,37 @@ def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int],
 
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
                       dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
-                      pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
+                      pipeline_zero2: bool = False, deferred_fraction: float = 0.0, schedule: str = "1f1b",
+                      virtual: int = 1) -> RankModelStates:
     """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp; with context
-    parallelism pass dp = d·c (ZeRO partitions over the d·c data-parallel ranks) and a dp_rank in it."""
-    numels = stage_parameter_numels(shape, tp, pp, stage)
+    parallelism pass dp = d·c (ZeRO partitions over the d·c data-parallel ranks) and a dp_rank in it.
+    With `schedule` "interleaved" (`virtual` chunks per rank) or "dualpipev" `stage` is the pipeline rank,
+    which holds several stages (`rank_parameter_numels`)."""
+    numels = rank_parameter_numels(shape, tp, pp, stage, schedule, virtual)
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
                                     pipeline_zero2, deferred_fraction)
+
+
+@lru_cache(maxsize=4096)
+def _peak_states(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, rank: int, gas: int,
+                 bucket: int, pipeline_zero2: bool, schedule: str, v: int) -> int:
+    """Peak model-state bytes of pipeline rank `rank` over the ZeRO group of nd ranks: its first DP rank and,
+    with ZeRO-2 (whose gradient partition G depends on the DP rank), its last."""
+    dp_ranks = {0, nd - 1} if zero == 2 else {0}
+    return max(rank_model_states(shape, tp, pp, nd, zero, precision, rank, r, gas, bucket, pipeline_zero2,
+                                 schedule=schedule, virtual=v).peak.total for r in dp_ranks)
+
+
+def worst_rank_bytes(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, checkpointing: bool,
+                     b: int, s: int, gas: int, bucket: int = DEFAULT_REDUCE_BUCKET, sp: bool = False, cp: int = 1,
+                     pipeline_zero2: bool = False, schedule: str = "1f1b", v: int = 1) -> tuple[float, float]:
+    """(model states, activations) bytes of the pipeline rank whose sum is the largest, ZeRO over nd = d·c
+    ranks, the rank's stages and in-flight passes those of `schedule` (v chunks per rank when interleaved)."""
+    states = acts = 0.0
+    for rank in range(pp):
+        rank_states = _peak_states(shape, tp, pp, nd, zero, precision, rank, gas, bucket, pipeline_zero2, schedule, v)
+        rank_acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing,
+                                     sequence_parallel=sp, cp=cp, schedule=schedule, virtual=v)
+        if rank_states + rank_acts > states + acts:
+            states, acts = rank_states, rank_acts
+    return states, acts

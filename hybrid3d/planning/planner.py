@@ -2,14 +2,14 @@
 model on a cluster, by the memory model (`hybrid3d.memory`) and a step-time estimate.
 
 Memory per GPU = peak model states (DeepSpeed's wrappers, incl. its reduce bucket; ZeRO over the d·c
-ranks of DeepSpeed's data-parallel group, CP folded in) + activations of the worst stage (1F1B in-flight
-micro-batches; `planning.activations`, with Megatron sequence parallelism (SP, Korthikanti et al. 2022)
-and DeepSpeed-Ulysses context parallelism (CP, Jacobs et al. 2023)) + a fixed reserve (CUDA context,
-NCCL, fragmentation). World = t·p·d·c; global batch = d·b·m sequences (the c ranks of a CP group share
+ranks of DeepSpeed's data-parallel group, CP folded in) + activations of the worst pipeline rank (the
+schedule's in-flight passes; `planning.activations`, with Megatron sequence parallelism (SP, Korthikanti
+et al. 2022) and DeepSpeed-Ulysses context parallelism (CP, Jacobs et al. 2023)) + a fixed reserve (CUDA
+context, NCCL, fragmentation). World = t·p·d·c; global batch = d·b·m sequences (the c ranks of a CP group share
 each sequence, s/c tokens apiece).
 
 Relative step time (lower is better), per GPU, for the same global batch: `step_time.estimate_step_time`
-(its docstring has the formulas: compute / (t·p·c), 1F1B bubble, TP ring bus bytes by op, CP
+(its docstring has the formulas: compute / (t·p·c), the schedule's bubble, TP ring bus bytes by op, CP
 all-to-alls, DP over d·c, pipeline send/recv). The absolute numbers are rough; the ranking is what the
 estimate is for.
 Enumerated: t | GPUs, p | GPUs/t and, with `context_parallel` (the command line's default), c | GPUs/(t·p)
@@ -21,6 +21,10 @@ Precision: ZeRO-0 plans bf16 (bf16 gradient accumulation); ZeRO-1/2 plan bf16 wi
 accumulation (`data_types.grad_accum_dtype: fp32`), the project's default.
 ZeRO-2 with p > 1 is `hybrid3d.pipeline_zero2`: a 4Ψ/Nd fp32 gradient partition instead of ZeRO-1's
 full buffer, for m times the DP gradient bytes (`traffic.dp_bytes_per_step`), not overlapped.
+Pipeline schedules (`schedules`, the command line's default; `schedule_options`): for p > 1 and ZeRO 0/1
+each layout also tries interleaved 1F1B with v = 2 (2p | L, p | m: bubble (p-1)/(2m+p-1) for up to
+1 + (p-1)/(2p) times the activations and 2x the messages) and DualPipeV (m >= 2p, L >= 2p: rank 0 holds
+embedding and head); the table keeps the fastest fitting row of each schedule.
 
 Longest sequence (`longest_sequence`, `--longest-sequence`): per layout (t, p, c, SP, ZeRO,
 checkpointing; micro-batch 1) the largest s that fits, a multiple of lcm(128, c·t with SP, else c)
@@ -33,7 +37,6 @@ import math
 import os
 import sys
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Optional
 
 from hybrid3d.errors import LayoutError, UserError
@@ -41,10 +44,13 @@ from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.planning.flops import peak_tflops
-from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, activation_bytes, rank_model_states
-from hybrid3d.planning.step_time import Cluster, StepTime, estimate_step_time, pipe_seconds  # noqa: F401 (re-exported)
+from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
+from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
 SEQUENCE_UNIT = 128  # tokens: the step of the longest-sequence search (times what c and t must divide)
+SCHEDULE_LABELS = {"1f1b": "1f1b", "interleaved": "int-v{v}", "dualpipev": "dpv"}  # the table's `sched` column
+SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved', virtual_pipeline_size 2; "
+                   "dpv 'dualpipev'; - no pipeline")
 
 
 @dataclass(frozen=True)
@@ -64,10 +70,28 @@ class Choice:
     pipe_seconds: float  # pipeline send/recv and all-gathers within step_seconds
     sp: bool = False  # Megatron sequence parallelism over the TP group
     cp: int = 1  # DeepSpeed-Ulysses context-parallel degree (world = tp·pp·cp·dp)
+    schedule: str = "1f1b"  # hybrid3d.pipeline_schedule
+    virtual: int = 1  # hybrid3d.virtual_pipeline_size: v chunks per rank when interleaved
 
     @property
     def precision(self) -> str:
-        return "bf16" if self.zero == 0 else "bf16+fp32acc"
+        return planned_precision(self.zero)
+
+    @property
+    def schedule_label(self) -> str:
+        return "-" if self.pp == 1 else SCHEDULE_LABELS[self.schedule].format(v=self.virtual)
+
+
+def planned_precision(zero: int) -> str:
+    return "bf16" if zero == 0 else "bf16+fp32acc"
+
+
+def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
+                seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b",
+                v: int = 1) -> tuple[float, float]:
+    """`worst_rank_bytes` of the planned precision, ZeRO over the d·c ranks, ZeRO-2 with p > 1 pipeline_zero2."""
+    return worst_rank_bytes(shape, tp, pp, dp * cp, zero, planned_precision(zero), checkpointing, micro_batch, seq,
+                            gas, bucket, sp, cp, zero == 2 and pp > 1, schedule, v)
 
 
 def divisors(n: int) -> list[int]:
@@ -92,40 +116,30 @@ def sequence_unit(tp: int, cp: int, sp: bool) -> int:
     return math.lcm(SEQUENCE_UNIT, cp * (tp if sp else 1))
 
 
-@lru_cache(maxsize=4096)
-def _stage_states(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, stage: int, gas: int, bucket: int) -> int:
-    """Peak model-state bytes of `stage` over the ZeRO group of nd ranks (ZeRO-2: its first and last rank)."""
-    precision = "bf16" if zero == 0 else "bf16+fp32acc"
-    ranks = {0, nd - 1} if zero == 2 else {0}
-    return max(rank_model_states(shape, tp, pp, nd, zero, precision, stage, r, gas, bucket,
-                                 pipeline_zero2=zero == 2 and pp > 1).peak.total for r in ranks)
-
-
-def _worst_stage(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
-                 seq: int, gas: int, bucket: int, sp: bool, cp: int) -> tuple[float, float]:
-    """(model states, activations) bytes of the stage whose sum is the largest."""
-    states = acts = 0.0
-    for stage in range(pp):
-        stage_states = _stage_states(shape, tp, pp, dp * cp, zero, stage, gas, bucket)
-        stage_acts = activation_bytes(shape, micro_batch, seq, tp, pp, stage, gas, checkpointing=checkpointing,
-                                      sequence_parallel=sp, cp=cp)
-        if stage_states + stage_acts > states + acts:
-            states, acts = stage_states, stage_acts
-    return states, acts
+def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bool = True) -> list[tuple[str, int]]:
+    """(schedule, v) the config accepts for p = pp, m = gas: 1F1B; with `others`, p > 1 and ZeRO < 2
+    (pipeline_zero2 runs 1F1B only) interleaved with v = 2 when 2p divides L and p divides m, DualPipeV when
+    m >= 2p and L >= 2p."""
+    options = [("1f1b", 1)]
+    if others and pp > 1 and zero < 2:
+        options += [("interleaved", 2)] if shape.num_layers % (2 * pp) == 0 and gas % pp == 0 else []
+        options += [("dualpipev", 1)] if gas >= 2 * pp and shape.num_layers >= 2 * pp else []
+    return options
 
 
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
-             micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1) -> Choice:
+             micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
+             schedule: str = "1f1b", virtual: int = 1) -> Choice:
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
-    precision = "bf16" if zero == 0 else "bf16+fp32acc"
-    states, acts = _worst_stage(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp)
+    precision = planned_precision(zero)
+    states, acts = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
+                               schedule, virtual)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
-                              sequence_parallel=sp, cp=cp)
-    bubble = (pp - 1) / (gas + pp - 1)
+                              sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual)
     memory = states + acts + cluster.reserve_gb * GB
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
-                  step.seconds, bubble, step.pipe, sp, cp)
+                  step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual)
 
 
 def _layouts(shape: LlamaShape, cluster: Cluster, global_batch: int, context_parallel: bool = True):
@@ -162,10 +176,13 @@ def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
 
 
 def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucket: int = DEFAULT_REDUCE_BUCKET,
-         sequence_parallel: bool = False, context_parallel: bool = False) -> tuple[list[Choice], list[str]]:
-    """(feasible choices best first, one refusal line per (tp, pp, cp[, zero]) that has no feasible option).
-    `sequence_parallel`: also try SP for t > 1; `context_parallel`: also enumerate c > 1 (the command line
-    does both; off by default, so a plain call plans the 3D layouts it always did)."""
+         sequence_parallel: bool = False, context_parallel: bool = False,
+         schedules: bool = False) -> tuple[list[Choice], list[str]]:
+    """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
+    per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
+    `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
+    (`schedule_options`) for p > 1 (the command line does all three; off by default, so a plain call plans
+    the 1F1B 3D layouts it always did)."""
     feasible, refused = [], []
     for tp, pp, cp, dp, name, reason in _layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
@@ -175,12 +192,14 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             continue
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
         for zero in _zero_stages(pp, dp * cp):
-            options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp)
-                       for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16]
+            options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched)
+                       for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
+                       for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)]
             fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb]
-            if fits:
-                feasible.append(min(fits, key=lambda c: (c.step_seconds, c.checkpointing, c.sp, -c.micro_batch)))
-            else:
+            for schedule in dict.fromkeys(c.schedule for c in fits):  # the fastest row of each schedule
+                feasible.append(min((c for c in fits if c.schedule == schedule),
+                                    key=lambda c: (c.step_seconds, c.checkpointing, c.sp, -c.micro_batch)))
+            if not fits:
                 least = min(options, key=lambda c: c.memory_gb)
                 how = f"at micro-batch {least.micro_batch}, checkpointing" + (", SP" if least.sp else "")
                 refused.append(_too_big(f"{name} ZeRO-{zero}", least, cluster, how))
@@ -198,10 +217,12 @@ def _largest_fit(fits, unit: int, cap: int) -> int:
 
 
 def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max_seq: Optional[int] = None,
-                     bucket: int = DEFAULT_REDUCE_BUCKET) -> tuple[list[tuple[Choice, int]], list[str]]:
-    """([(choice, longest seq)] of every (tp, pp, cp, SP, ZeRO, checkpointing) layout at micro-batch 1 that
-    fits some sequence, longest first then fastest; refusal lines). seq is the largest multiple of
-    `sequence_unit` <= max_seq (default: max_position_embeddings) whose peak memory fits the GPU."""
+                     bucket: int = DEFAULT_REDUCE_BUCKET,
+                     schedules: bool = False) -> tuple[list[tuple[Choice, int]], list[str]]:
+    """([(choice, longest seq)] of every (tp, pp, cp, SP, ZeRO, checkpointing[, schedule]) layout at micro-batch
+    1 that fits some sequence, longest first then fastest; refusal lines). seq is the largest multiple of
+    `sequence_unit` <= max_seq (default: max_position_embeddings) whose peak memory fits the GPU.
+    `schedules`: as for `plan`."""
     cap = max_seq or shape.max_position_embeddings
     rows, refused = [], []
     for tp, pp, cp, dp, name, reason in _layouts(shape, cluster, global_batch):
@@ -209,20 +230,22 @@ def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max
             refused.append(f"{name}: {reason}")
             continue
         gas, found, least = global_batch // dp, False, None  # least: the option needing the least memory
-        for sp, zero, ckpt in [(sp, z, ck) for sp in ((False, True) if tp > 1 else (False,))
-                               for z in _zero_stages(pp, dp * cp) for ck in (False, True)]:
+        for sp, zero, ckpt, sched in [(sp, z, ck, sched) for sp in ((False, True) if tp > 1 else (False,))
+                                      for z in _zero_stages(pp, dp * cp) for ck in (False, True)
+                                      for sched in schedule_options(shape, pp, gas, z, schedules)]:
             unit = sequence_unit(tp, cp, sp)
 
             def fits(seq: int) -> bool:
-                memory = sum(_worst_stage(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp))
+                memory = sum(_worst_rank(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp, *sched))
                 return (memory + cluster.reserve_gb * GB) / GB <= cluster.gpu_memory_gb
 
             seq = _largest_fit(fits, unit, cap)
             if seq:
-                rows.append((evaluate(shape, cluster, tp, pp, zero, ckpt, 1, seq, global_batch, bucket, sp, cp), seq))
+                rows.append((evaluate(shape, cluster, tp, pp, zero, ckpt, 1, seq, global_batch, bucket, sp, cp, *sched),
+                             seq))
                 found = True
             elif unit <= cap:
-                c = evaluate(shape, cluster, tp, pp, zero, ckpt, 1, unit, global_batch, bucket, sp, cp)
+                c = evaluate(shape, cluster, tp, pp, zero, ckpt, 1, unit, global_batch, bucket, sp, cp, *sched)
                 least = (c, unit) if least is None or c.memory_gb < least[0].memory_gb else least
         if not found:
             refused.append(_too_big(name, least[0], cluster, f"for {least[1]} tokens at micro-batch 1")
@@ -240,17 +263,20 @@ def format_plan(feasible: list[Choice], refused: list[str], top: int) -> str:
     if feasible:
         best = feasible[0].step_seconds
         lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'mb':>3} {'gas':>4} "
-                     f"{'GB/GPU':>7} {'states':>7} {'acts':>6} {'bubble':>6} {'pp comm':>7} {'rel.time':>8}")
+                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'bubble':>6} {'pp comm':>7} "
+                     f"{'rel.time':>8}")
         for c in feasible[:top]:
             lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} "
-                         f"{c.micro_batch:>3} {c.gas:>4} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
+                         f"{'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} {c.gas:>4} "
+                         f"{c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
                          f"{c.activations_gb:>6.1f} {c.bubble:>6.1%} {c.pipe_seconds / c.step_seconds:>7.1%} "
                          f"{c.step_seconds / best:>8.2f}")
         if len(feasible) > top:
             lines.append(f"... {len(feasible) - top} more feasible layouts (--top)")
-        lines.append("rel.time: step-time estimate / the first row's: compute, 1F1B bubble, TP, CP, DP and pipeline")
-        lines.append("traffic (send/recv and its TP all-gathers), not overlapped; pp comm: pipeline traffic's share")
+        lines.append("rel.time: step-time estimate / the first row's: compute, the schedule's bubble, TP, CP, DP")
+        lines.append("and pipeline traffic (send/recv and its TP all-gathers), not overlapped; pp comm: pipeline")
+        lines.append("traffic's share; bubble: the schedule's idle share of the step")
+        lines.append(SCHEDULE_FOOTER)
     else:
         lines.append("no layout fits")
     return "\n".join(lines + _refused_lines(refused))
@@ -261,11 +287,12 @@ def format_longest(rows: list[tuple[Choice, int]], refused: list[str], top: int,
     if rows:
         best = rows[0][0].step_seconds / rows[0][1]
         lines.append(f"{'seq':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'gas':>4} "
-                     f"{'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
+                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
         for c, seq in rows[:top]:
             lines.append(f"{seq:>8} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
-                         f"{c.activations_gb:>6.1f} {c.step_seconds / seq / best:>9.2f}")
+                         f"{'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.schedule_label:>6} "
+                         f"{c.memory_gb:>7.1f} {c.states_gb:>7.1f} {c.activations_gb:>6.1f} "
+                         f"{c.step_seconds / seq / best:>9.2f}")
         if len(rows) > top:
             lines.append(f"... {len(rows) - top} more layouts (--top)")
         capped = sum(seq == cap for _, seq in rows)
@@ -273,6 +300,7 @@ def format_longest(rows: list[tuple[Choice, int]], refused: list[str], top: int,
         lines.append(f"at micro-batch 1, up to {cap} tokens (reached by {capped} of {len(rows)} layouts; "
                      "--max-seq-length)")
         lines.append("rel.t/tok: step-time estimate per token / the first row's")
+        lines.append(SCHEDULE_FOOTER)
     else:
         lines.append("no layout fits a sequence")
     return "\n".join(lines + _refused_lines(refused))
@@ -344,13 +372,14 @@ def main(argv=None) -> int:
                       reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops))
     if args.longest_sequence:
         cap = args.max_seq_length or shape.max_position_embeddings
-        rows, refused = longest_sequence(shape, cluster, args.global_batch, cap, args.reduce_bucket_size)
+        rows, refused = longest_sequence(shape, cluster, args.global_batch, cap, args.reduce_bucket_size,
+                                         schedules=True)
         print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, longest sequence up to {cap} tokens, "
               f"global batch {args.global_batch} sequences")
         print(format_longest(rows, refused, args.top, cap))
         return 0
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
-                             sequence_parallel=True, context_parallel=True)
+                             sequence_parallel=True, context_parallel=True, schedules=True)
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences")
     print(format_plan(feasible, refused, args.top))

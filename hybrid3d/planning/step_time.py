@@ -2,32 +2,49 @@
 
 Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     compute  = tokens/GPU · (6N + 12·L·h·s) / (t·p·c) · (4/3 with full recomputation) / (peak · efficiency)
-    bubble   = compute · (p - 1)/m        (1F1B: the bubble fraction (p-1)/(m+p-1) of the total step)
+    bubble   = compute · (slots - m)/m = compute · f/(1 - f), f the schedule's ideal bubble fraction of the
+               step (`pipeline_schedules.ideal_bubble`), slots = m/(1 - f) the step's length in micro-batch
+               slots (`pipeline_slots`): 1F1B f = (p-1)/(m+p-1), slots m + p - 1, bubble compute·(p-1)/m;
+               interleaved 1F1B f = (p-1)/(v·m+p-1), slots m + (p-1)/v, bubble compute·(p-1)/(v·m)
+               (Narayanan et al. 2021, §2.2.2); DualPipeV f from a timed run of its orders
     tp comm  = ring bus bytes of the logged TP collectives / intra-node bandwidth (not overlapped):
                all-reduce n -> 2n(t-1)/t, reduce-scatter n -> n(t-1)/t, all-gather of shard m -> m(t-1)
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
     cp comm  = logged all-to-all bytes · (c-1)/c / intra-node bandwidth (`traffic.cp_bytes_per_step`)
     dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it),
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
-    pp comm  = (m + p - 1) · max over stages of one micro-batch's
+    pp comm  = slots · max over pipeline ranks of one micro-batch's
                [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth]
+TP, CP and DP bytes are those of the busiest pipeline rank, summed over its stages (one with 1F1B; v with
+the interleaved schedule; DualPipeV's rank 0 adds the head's collectives to the embedding's). DP sums the
+stages' Ψ, so a tied embedding DualPipeV's rank 0 holds once is counted twice (an over-estimate).
 CP places its groups inside a node next to TP (rank = ((pipe·d + data)·c + cp)·t + model, `parallel/
 layout.py`), so a CP all-to-all runs at the intra-node bandwidth; the planner refuses t·c > GPUs per
 node. Compute: with CP each rank computes s/c of every sequence's tokens and a/(t·c) heads of attention
 over all s, so the FLOPs are divided by c like the tokens.
 pp comm: DeepSpeed's TrainSchedule runs 2(m + p - 1) lock-step slots (`runtime/pipe/schedule.py:
 TrainSchedule.steps`) whose sends and receives block (`runtime/pipe/p2p.py: send/recv`), so a stage's
-transfers lengthen each of the m + p - 1 forward-backward slots of the slowest stage; the bytes are
+transfers lengthen each of the m + p - 1 forward-backward slots of the slowest stage (slots for the other
+schedules likewise); the bytes are
 `traffic.pp_boundary_bytes` (activation and gradient, 1/t each when partitioned or with SP) and
 `traffic.pp_gather_bytes_per_step` (an all-gather of input M moves (t - 1)·M per rank, the bus bytes of
 `utils/comms_logging.py: calc_bw_log`; none with SP), and a stage boundary uses the inter-node link when
 it crosses nodes (`Cluster.pipe_link_gbps`). These paths are DeepSpeed 0.19.8's.
+Other schedules: a rank sends and receives at every boundary of its stages whose neighbour stage sits on
+another rank, so a micro-batch crosses S - 1 boundaries (1F1B p - 1, interleaved v·p - 1 with the last
+rank's chunk k handing over to rank 0's chunk k + 1) except DualPipeV's turn-around from stage p-1 to p,
+which stays on rank p-1 (2p - 2 messages each way); a middle rank handles 2 (1F1B), 2v (interleaved) or 4
+(DualPipeV) of them per micro-batch. Both schedules send whole activations, DeepSpeed's pipe/grad
+partitioning off (`config.ds_checks.check_pipeline_schedule`): no pipeline all-gathers.
 The absolute numbers are rough; the ranking is what the estimate is for.
 """
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
+from hybrid3d.planning.activations import rank_stages
 from hybrid3d.planning.flops import training_flops_per_token
 from hybrid3d.planning.memory import GB
 from hybrid3d.planning.traffic import (
@@ -56,9 +73,14 @@ class Cluster:
         (`runtime/pipe/topology.py: PipeModelDataParallelTopology`) and its launcher fills each node with
         consecutive ranks (`launcher/launch.py: main`), so rank r of `stage` sends to r + d·t; the
         boundary is inter-node when any such pair sits on two nodes (the slowest pair sets the pace)."""
+        return self.pipe_pair_gbps(stage, stage + 1, tp, dp)
+
+    def pipe_pair_gbps(self, rank: int, other: int, tp: int, dp: int) -> float:
+        """Bandwidth between pipeline ranks `rank` and `other` (as `pipe_link_gbps`: GPU r of one talks to
+        r + (other - rank)·d·t of the other; interleaved 1F1B also links rank p-1 to rank 0)."""
         width = tp * dp
-        first = stage * width
-        crosses = any(r // self.gpus_per_node != (r + width) // self.gpus_per_node
+        first, offset = rank * width, (other - rank) * width
+        crosses = any(r // self.gpus_per_node != (r + offset) // self.gpus_per_node
                       for r in range(first, first + width))
         return self.inter_node_gbps if crosses else self.intra_node_gbps
 
@@ -68,7 +90,7 @@ class StepTime:
     """Seconds of one training step by part; the parts are not overlapped, `seconds` is their sum."""
 
     compute: float  # one GPU's forward + backward (+ recomputation) FLOPs at peak · efficiency
-    bubble: float  # 1F1B fill and drain: compute · (p - 1)/m
+    bubble: float  # pipeline fill and drain: compute · (slots - m)/m (1F1B: compute · (p - 1)/m)
     tp: float  # TP all-reduces (with SP: reduce-scatters, all-gathers and the norms' all-reduces)
     dp: float  # gradient reduction and ZeRO's all-gather
     pipe: float  # pipeline send/recv and the all-gathers re-assembling partitioned messages
@@ -79,51 +101,87 @@ class StepTime:
         return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp
 
 
+@lru_cache(maxsize=256)
+def bubble_fraction(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """f, `ideal_bubble` cached: DualPipeV's comes from a timed run of its orders (up to a second at m = 512),
+    and the planner asks for the same (p, m) in many rows."""
+    return ideal_bubble(schedule, p, m, v)
+
+
+def pipeline_slots(schedule: str, p: int, m: int, v: int = 1) -> float:
+    """The step's length in micro-batch slots (one micro-batch's forward and backward on one rank):
+    m/(1 - f) for the schedule's ideal bubble fraction f. The closed forms for 1F1B, m + p - 1, and for
+    interleaved 1F1B, m + (p - 1)/v (v·m + p - 1 chunk slots of 1/v each), are that identity exactly."""
+    if schedule == "1f1b":
+        return m + p - 1
+    if schedule == "interleaved":
+        return m + (p - 1) / v
+    return m / (1 - bubble_fraction(schedule, p, m, v))
+
+
+def _worst_rank(per_stage, schedule: str, pp: int, v: int = 1) -> float:
+    """max over the p pipeline ranks of per_stage(S, σ) summed over the rank's stages σ (S stages in all)."""
+    stages = num_stages(schedule, pp, v)
+    return max(sum(per_stage(stages, sigma) for sigma in rank_stages(schedule, pp, r, v)) for r in range(pp))
+
+
 def pipe_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, micro_batch: int, gas: int,
                  seq: int, act_bytes: int = 2, pipe_partitioned: bool = True, grad_partitioned: bool = True,
-                 sequence_parallel: bool = False) -> float:
-    """(m + p - 1) · the slowest stage's pipeline traffic per micro-batch (module docstring, pp comm)."""
+                 sequence_parallel: bool = False, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """slots · the slowest pipeline rank's traffic per micro-batch (module docstring, pp comm): at each boundary
+    of its stages whose neighbour stage is on another rank, the activation and its gradient, plus (1F1B) the
+    pipeline all-gathers. The interleaved and DualPipeV schedules send whole activations (partitioning off)."""
     if pp == 1:
         return 0.0
+    if schedule != "1f1b":
+        pipe_partitioned = grad_partitioned = False
     boundary = pp_boundary_bytes(shape, micro_batch, seq, tp, act_bytes, pipe_partitioned, grad_partitioned,
                                  sequence_parallel)
-    links = [cluster.pipe_link_gbps(st, tp, dp) * GB for st in range(pp - 1)]  # links[i]: stage i -> i + 1
+    stages = num_stages(schedule, pp, virtual)
+    owner = {sigma: r for r in range(pp) for sigma in rank_stages(schedule, pp, r, virtual)}
     slowest = 0.0
-    for st in range(pp):
-        p2p = sum(boundary / links[i] for i in (st - 1, st) if 0 <= i < pp - 1)
-        gathers = pp_gather_bytes_per_step(shape, micro_batch, seq, tp, pp, st, 1, act_bytes, pipe_partitioned,
+    for r in range(pp):
+        neighbours = [owner[n] for sigma in rank_stages(schedule, pp, r, virtual) for n in (sigma - 1, sigma + 1)
+                      if 0 <= n < stages and owner[n] != r]
+        p2p = sum(boundary / (cluster.pipe_pair_gbps(min(r, o), max(r, o), tp, dp) * GB) for o in neighbours)
+        gathers = pp_gather_bytes_per_step(shape, micro_batch, seq, tp, pp, r, 1, act_bytes, pipe_partitioned,
                                            grad_partitioned, sequence_parallel)
         gather = gathers * (tp - 1) / (cluster.intra_node_gbps * GB)
         slowest = max(slowest, p2p + gather)
-    return (gas + pp - 1) * slowest
+    return pipeline_slots(schedule, pp, gas, virtual) * slowest
 
 
 def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, zero: int,
                        micro_batch: int, gas: int, seq: int, precision: str = "bf16+fp32acc",
                        checkpointing: bool = False, pipe_partitioned: bool = True,
-                       grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1) -> StepTime:
+                       grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1,
+                       schedule: str = "1f1b", virtual: int = 1) -> StepTime:
     """Estimated seconds of one training step (the planner's model, module docstring) of `shape` on
     `cluster` (peak, efficiency, intra/inter-node bandwidth, GPUs per node) with layout tp x pp x dp x cp,
     ZeRO stage `zero`, `micro_batch` sequences of `seq` tokens per micro-batch, `gas` micro-batches per
     step (global batch = dp · micro_batch · gas; dp excludes cp), `precision` one of memory.PRECISIONS
     (activations and messages are 4 bytes for "fp32", else 2), full activation `checkpointing`,
     DeepSpeed's `"pipeline": {"pipe_partitioned", "grad_partitioned"}` (both on by default; they act only
-    when tp > 1 and are off with SP), Megatron `sequence_parallel` and Ulysses context parallelism `cp`.
+    when tp > 1 and are off with SP and with the interleaved and DualPipeV schedules), Megatron
+    `sequence_parallel`, Ulysses context parallelism `cp` and the pipeline `schedule` ("1f1b",
+    "interleaved" with `virtual` = v chunks per rank, "dualpipev").
     `.seconds` is the total; it is meant for comparing with measured step times."""
     act_bytes = 4 if precision == "fp32" else 2
-    sp = sequence_parallel
+    sp, v = sequence_parallel, virtual
     compute = micro_batch * gas * seq * training_flops_per_token(shape, seq) / (tp * pp * cp)  # tokens/GPU · FLOPs
     compute *= 4 / 3 if checkpointing else 1
     compute /= cluster.peak_tflops * 1e12 * cluster.efficiency
     intra = cluster.intra_node_gbps * GB
-    tp_seconds = max(tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, pp, st, gas, act_bytes, checkpointing,
-                                                 sp, cp), tp) for st in range(pp)) / intra
-    cp_seconds = max(cp_bytes_per_step(shape, micro_batch, seq, tp, cp, pp, st, gas, act_bytes, checkpointing)
-                     for st in range(pp)) * (cp - 1) / cp / intra
+    tp_seconds = _worst_rank(lambda S, st: tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, S, st, gas,
+                                                                      act_bytes, checkpointing, sp, cp), tp),
+                            schedule, pp, v) / intra
+    cp_seconds = _worst_rank(lambda S, st: cp_bytes_per_step(shape, micro_batch, seq, tp, cp, S, st, gas, act_bytes,
+                                                            checkpointing), schedule, pp, v) * (cp - 1) / cp / intra
     zero_group = dp * cp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
-    dp_seconds = max(dp_bytes_per_step(shape, tp, pp, zero_group, st, zero, gas, precision) for st in range(pp)) \
-        * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+    dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
+                            schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
-                        grad_partitioned, sp)
-    return StepTime(compute, compute * (pp - 1) / gas, tp_seconds, dp_seconds, pipe, cp_seconds)
+                        grad_partitioned, sp, schedule, v)
+    bubble = compute * (pipeline_slots(schedule, pp, gas, v) - gas) / gas
+    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds)
