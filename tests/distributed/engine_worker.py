@@ -13,6 +13,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
     from hybrid3d.ds_internals import pipeline_stage_layers
+    from hybrid3d.ds_internals.timeline import InstructionTimeline, SavedActivationProbe
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
@@ -36,9 +37,11 @@ def run_one(run: dict, model_dirs: dict) -> dict:
 
     dp_rank, dp = trainer.groups.data_shard()  # the CP ranks of a data shard read the same batches
     losses, forwards_per_step = [], []
+    timeline = InstructionTimeline(trainer.engine) if trainer.uses_pipeline else None
     for step in range(STEPS):
         before = block_forwards[0]
-        losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
+        with SavedActivationProbe(trainer.module.parameters()) as probe:
+            losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         forwards_per_step.append(block_forwards[0] - before)
 
     optimizer = trainer.engine.optimizer
@@ -48,6 +51,10 @@ def run_one(run: dict, model_dirs: dict) -> dict:
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
         "stage_layers": pipeline_stage_layers(trainer.module) if trainer.uses_pipeline else None,
+        # what the instruction timeline saw over the run, and the activations autograd held in the last step
+        "passes": [(r.name, r.kwargs.get("chunk", r.kwargs.get("phase", 0)), r.kwargs["buffer_id"])
+                   for r in timeline.passes()] if timeline else None,
+        "saved_peak": probe.peak, "saved_after_step": probe.live,
         "forwards_per_step": forwards_per_step,
         "block_inputs": sorted(block_inputs),
         "optimizer": type(optimizer).__name__,

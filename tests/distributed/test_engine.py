@@ -3,6 +3,8 @@
 One spawned world per world size (1, 2, 4, 8 ranks) runs all of that size's layouts in turn.
 """
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -232,6 +234,11 @@ def test_interleaved_matches_hf_over_five_steps(results, run):
         # 2 blocks x 4 micro-batches per step, each block run again in backward under checkpointing
         recompute = 2 if "ckpt" in run["name"] else 1
         assert report["forwards_per_step"] == [2 * 4 * recompute] * STEPS
+        # every (chunk, micro-batch) forward and backward once per step, and nothing held after it
+        passes = Counter(report["passes"])
+        assert set(passes) == {(kind, chunk, chunk * 4 + i) for kind in ("ForwardPass", "BackwardPass")
+                               for chunk in (0, 1) for i in range(4)} and set(passes.values()) == {STEPS}
+        assert report["saved_peak"] > 0 and report["saved_after_step"] == 0
     weights = merged_weights(reports)
     bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
     assert not bad, bad
