@@ -90,6 +90,26 @@ def world_main(rank, world_size, runs, args):
     return results
 
 
+def pass_stage(run: dict, rank: int, kwargs: dict) -> int:
+    """The stage a timed pass ran: chunk k of rank r is stage r + k·p (interleaved), phase 1 of rank r
+    stage 2p-1-r (DualPipeV)."""
+    chunk, p = kwargs.get("chunk", kwargs.get("phase", 0)), run["p"]
+    if run["schedule"] == "interleaved":
+        return rank + chunk * p
+    return rank if chunk == 0 else 2 * p - 1 - rank
+
+
+def stage_pass_times(run: dict, per_rank: list[list[tuple]]) -> dict[int, tuple[float, float]]:
+    """stage -> (median forward, median backward) seconds of one step's passes, message waits taken out."""
+    times = {}
+    for rank, records in enumerate(per_rank):
+        for name, kwargs, start, end, waited in records:
+            if name in ("ForwardPass", "BackwardPass"):
+                times.setdefault((pass_stage(run, rank, kwargs), name), []).append(end - start - waited)
+    stages = sorted({stage for stage, _ in times})
+    return {s: (median(times[s, "ForwardPass"]), median(times[s, "BackwardPass"])) for s in stages}
+
+
 def step_bubble(per_rank: list[list[tuple]]) -> dict:
     """Measured bubble of one step from every rank's pass records, and the mean pass times."""
     passes = [[r for r in records if r[0] in ("ForwardPass", "BackwardPass")] for records in per_rank]
@@ -119,13 +139,21 @@ def rows(runs: list, ranks: list, args) -> list[dict]:
         steps = [step_bubble([rank[run["name"]][i]["records"] for rank in ranks]) for i in range(args.repeats)]
         measured = median([s["bubble"] for s in steps])
         forward, backward = median([s["forward"] for s in steps]), median([s["backward"] for s in steps])
-        simulated = run_timeline(schedule_orders(run["schedule"], p, m, v), forward, backward).bubble_fraction()
+        orders = schedule_orders(run["schedule"], p, m, v)
+        simulated = run_timeline(orders, forward, backward).bubble_fraction()
+        per_stage = [stage_pass_times(run, [rank[run["name"]][i]["records"] for rank in ranks])
+                     for i in range(args.repeats)]
+        stage_times = {s: (median([t[s][0] for t in per_stage]), median([t[s][1] for t in per_stage]))
+                       for s in per_stage[0]}
+        staged = run_timeline(orders, stage_times=stage_times).bubble_fraction()
         formula = ideal_bubble(run["schedule"], p, m, v)
         peaks = [max(rep["peak_bytes"] for rep in rank[run["name"]]) for rank in ranks]
         models = [modelled_peak_bytes(run, r, args) for r in range(p)]
         out.append(dict(
             config=run["name"], p=p, m=m, schedule=run["schedule"], v=v, formula=round(formula, 4),
-            simulated=round(simulated, 4), measured=round(measured, 4),
+            simulated=round(simulated, 4), stage_simulated=round(staged, 4), measured=round(measured, 4),
+            imbalance=round(staged - formula, 4), communication=round(measured - staged, 4),
+            stage_ms={s: [round(1000 * f, 1), round(1000 * b, 1)] for s, (f, b) in stage_times.items()},
             measured_over_formula=round(measured / formula, 3),
             step_span_ms=round(1000 * median([s["span"] for s in steps]), 1),
             forward_ms=round(1000 * forward, 2), backward_ms=round(1000 * backward, 2),
@@ -154,9 +182,7 @@ def draw_timelines(out_dir: str, runs: list, ranks: list, p: int, m: int) -> str
             for name, kwargs, start, end, waited in rank_records:
                 if name not in ("ForwardPass", "BackwardPass"):
                     continue
-                chunk = kwargs.get("chunk", kwargs.get("phase", 0))
-                stage = rank + chunk * p if run["schedule"] == "interleaved" else (
-                    rank if chunk == 0 else 2 * p - 1 - rank)
+                stage = pass_stage(run, rank, kwargs)
                 ax.barh(rank, (end - start - waited) * 1000, left=(start + waited - origin) * 1000,
                         color=colours(stage % 10), alpha=0.45 if name == "ForwardPass" else 0.95,
                         edgecolor="black", linewidth=0.3)
@@ -204,8 +230,9 @@ def write(out_dir: str, table: list[dict], env: dict, command: str, args, pictur
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "pipeline_schedules.json"), "w") as f:
         json.dump(dict(environment=env, command=command, shape=SHAPE, rows=table), f, indent=1)
-    columns = ["config", "formula", "simulated", "measured", "measured_over_formula", "step_span_ms", "forward_ms",
-               "backward_ms", "peak_act_MiB", "model_act_MiB", "act_model_error"]
+    columns = ["config", "formula", "simulated", "stage_simulated", "measured", "measured_over_formula", "imbalance",
+               "communication", "step_span_ms", "forward_ms", "backward_ms", "peak_act_MiB", "model_act_MiB",
+               "act_model_error"]
     lines = [
         "# Pipeline schedules: measured bubble and in-flight activations", "",
         environment_markdown(env, command),
@@ -214,7 +241,10 @@ def write(out_dir: str, table: list[dict], env: dict, command: str, args, pictur
         "step, round-robin; bubble columns are medians",
         "- formula: (p-1)/(m+p-1) for 1F1B, (p-1)/(v m+p-1) for interleaved (Narayanan et al. 2021), the "
         "free-communication run of DeepSpeed's DualPipeV orders (backward = 2 x forward); simulated: the same "
-        "orders with this run's median forward and backward times; measured: 1 - pass time / (p x span)",
+        "orders with this run's median forward and backward times; stage_simulated: the same with each stage's own "
+        "median pass times (the last stage carries the head and the loss); measured: 1 - pass time / (p x span)",
+        "- where the time goes: imbalance = stage_simulated - formula (unequal stages), communication = measured - "
+        "stage_simulated (send/recv on gloo and the engine's instruction loop between passes)",
         "- activations: peak bytes autograd held for backward per rank (parameters excluded), against "
         "`hybrid3d.planning.activations.activation_bytes` for the schedule", "",
         "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns),
@@ -260,7 +290,8 @@ def main(argv=None):
     pictures.append(draw_bubbles(out_dir, table))
     write(out_dir, table, env, command.strip(), args, pictures)
     for row in table:
-        print(f"{row['config']:<26} formula {row['formula']:.3f}  measured {row['measured']:.3f}  "
+        print(f"{row['config']:<26} formula {row['formula']:.3f}  stages {row['stage_simulated']:.3f}  "
+              f"measured {row['measured']:.3f}  "
               f"({row['measured_over_formula']:.2f}x)  act MiB {row['peak_act_MiB']} model {row['model_act_MiB']}")
     print(f"results in {out_dir}")
 

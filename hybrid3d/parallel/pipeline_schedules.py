@@ -114,9 +114,11 @@ class Timeline:
         return 1.0 - busy / (len(self.orders) * self.makespan)
 
 
-def run_timeline(orders: list[list[PassOp]], forward_time: float = 1.0, backward_time: float = 2.0) -> Timeline:
+def run_timeline(orders: list[list[PassOp]], forward_time: float = 1.0, backward_time: float = 2.0,
+                 stage_times: dict[int, tuple[float, float]] | None = None) -> Timeline:
     """Run every rank's order as early as its dependencies allow (communication free, every stage taking
-    `forward_time` and `backward_time` per pass). Raises RuntimeError (a bug in the orders) if they deadlock."""
+    `forward_time` and `backward_time` per pass, or stage σ its own (forward, backward) = `stage_times[σ]`).
+    Raises RuntimeError (a bug in the orders) if they deadlock."""
     stages = 1 + max(op.stage for order in orders for op in order)
     done: dict[tuple, float] = {}  # (forward, micro_batch, stage) -> end time
     starts = [[] for _ in orders]
@@ -133,7 +135,8 @@ def run_timeline(orders: list[list[PassOp]], forward_time: float = 1.0, backward
                 if any(n not in done for n in needs):
                     break
                 start = max([free_at[rank]] + [done[n] for n in needs])
-                end = start + (forward_time if op.forward else backward_time)
+                forward, backward = stage_times[op.stage] if stage_times else (forward_time, backward_time)
+                end = start + (forward if op.forward else backward)
                 done[(op.forward, op.micro_batch, op.stage)] = end
                 starts[rank].append(start)
                 ends[rank].append(end)

@@ -40,6 +40,14 @@ def test_one_f_one_b_matches_the_formula_and_holds_p_minus_r_micro_batches(p, m)
     assert [peak_in_flight(o) for o in orders] == [min(p - r, m) for r in range(p)]
 
 
+def test_a_slower_last_stage_sets_the_pace():
+    """1F1B at p = 2, m = 4 with stage 1 1.5x slower (forward 1.5, backward 3 against 1 and 2): stage 1 never
+    waits once started, so the step lasts t0f + m·(t1f + t1b) + t0b = 1 + 18 + 2 = 21 and the ranks are busy
+    4·3 + 4·4.5 = 30 of 2 x 21: bubble 2/7, not the balanced formula's 1/5."""
+    timeline = run_timeline(schedule_orders("1f1b", 2, 4), stage_times={0: (1.0, 2.0), 1: (1.5, 3.0)})
+    assert timeline.bubble_fraction() == pytest.approx(1 - 30 / 42, rel=1e-12)
+
+
 def test_interleaving_costs_megatrons_activation_factor():
     """Rank 0 holds (1 + (p-1)/(p·v)) times 1F1B's p micro-batches of its layers (Narayanan et al. 2021, §2.2),
     counted in 1/v-sized chunks: p·v + p - 1 chunk passes once m >= 2p."""
