@@ -54,6 +54,8 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     checkpoint = HybridCheckpoint.open(checkpoint_dir, tag, allow_pickle)
     config, side_dir = resolve_hf_config(checkpoint, hf_config_dir)
     shape = LlamaShape.from_hf(config)
+    if shape.is_moe:  # the layout check below (model_layout.py) knows only LlamaForCausalLM so far
+        raise ConversionError(f"{checkpoint_dir}: mixture-of-experts models (num_local_experts) are not converted yet")
     tp = checkpoint.tp
     check_split(shape, tp, checkpoint.pp)
     specs = param_specs(shape, tp)

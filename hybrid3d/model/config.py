@@ -1,4 +1,5 @@
-"""The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth).
+"""The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth), or
+a `MixtralConfig`: a Llama whose feed-forward is a mixture of experts (Jiang et al. 2024, Mixtral).
 
 Only what the model can represent exactly is accepted; anything else is refused with a message
 naming the config field, so a converted model never silently differs from its HF original.
@@ -10,6 +11,7 @@ from typing import Optional
 from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
 
 
 @dataclass(frozen=True)
@@ -29,6 +31,10 @@ class LlamaShape:
     initializer_range: float = 0.02
     attention_dropout: float = 0.0
     vocab_pad_multiple: int = 128
+    # Mixture of experts (Mixtral): E experts of `intermediate_size` each, top-k routing; 0 = dense SwiGLU.
+    num_experts: int = 0  # E
+    experts_per_token: int = 2  # k
+    router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the LM loss
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -41,6 +47,17 @@ class LlamaShape:
                 f"num_key_value_heads ({self.num_kv_heads})")
         if self.head_dim % 2:
             raise UnsupportedConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.num_experts < 0:
+            raise UnsupportedConfigError(f"num_local_experts must be >= 0, got {self.num_experts}")
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise UnsupportedConfigError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and "
+                                         f"num_local_experts ({self.num_experts})")
+        if self.router_aux_loss_coef < 0:
+            raise UnsupportedConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @property
     def rope_type(self) -> str:
@@ -48,18 +65,20 @@ class LlamaShape:
 
     @classmethod
     def from_hf(cls, config, vocab_pad_multiple: int = 128) -> "LlamaShape":
-        """Read a `transformers.LlamaConfig` (transformers 4.x `rope_scaling`/`rope_theta`
+        """Read a `transformers.LlamaConfig` or `MixtralConfig` (transformers 4.x `rope_scaling`/`rope_theta`
         or 5.x `rope_parameters`)."""
         model_type = getattr(config, "model_type", "llama")
-        if model_type != "llama":
-            raise UnsupportedConfigError(f"model_type '{model_type}' is not supported (only 'llama')")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise UnsupportedConfigError(
+                f"model_type '{model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(config, flag, False):
                 raise UnsupportedConfigError(f"{flag}=true is not supported (Llama has no biases)")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
-        if getattr(config, "sliding_window", None):
+        moe = _mixtral_fields(config) if model_type == "mixtral" else {}
+        if model_type == "llama" and getattr(config, "sliding_window", None):
             raise UnsupportedConfigError("sliding_window is not supported")
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             raise UnsupportedConfigError(f"pretraining_tp={config.pretraining_tp} is not supported (only 1)")
@@ -97,4 +116,20 @@ class LlamaShape:
             initializer_range=getattr(config, "initializer_range", 0.02),
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             vocab_pad_multiple=vocab_pad_multiple,
+            **moe,
         )
+
+
+def _mixtral_fields(config) -> dict:
+    """The expert fields of a MixtralConfig; refuses what the model would compute differently."""
+    window = getattr(config, "sliding_window", None)
+    if window is not None and window < config.max_position_embeddings:
+        # A window at least as long as any sequence masks nothing beyond the causal mask.
+        raise UnsupportedConfigError(
+            f"sliding_window={window} is not supported: only full causal attention (sliding_window null or "
+            f">= max_position_embeddings {config.max_position_embeddings})")
+    jitter = getattr(config, "router_jitter_noise", 0.0) or 0.0
+    if jitter:
+        raise UnsupportedConfigError(f"router_jitter_noise={jitter} is not supported (only 0)")
+    return dict(num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
+                router_aux_loss_coef=float(config.router_aux_loss_coef))

@@ -9,8 +9,15 @@ Shard kinds:
 - replicated: identical on every TP rank (norms; k/v when tp > kv heads).
 HF's q/k/v rows are already grouped by head in RoPE's half-split order, so contiguous row blocks
 are whole heads and no permutation is needed.
+
+Mixtral's experts use the names of its checkpoint files (the Hub's and `save_pretrained`'s):
+`block_sparse_moe.gate.weight` (the router) and `block_sparse_moe.experts.<e>.w1/w3/w2.weight`
+(gate/up/down), each a plain copy of one hybrid3d expert weight. transformers >= 5 renames and fuses
+them in memory; `unfuse_hf_experts` reads a module's `state_dict()` under the file names.
 """
 
+import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import deepspeed.comm as dist
@@ -18,11 +25,14 @@ import torch
 import torch.nn.functional as F
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import BLOCK_PLAN, EMBEDDING, FINAL_NORM, LM_HEAD, REPLICATED, ROW, VOCAB, block_kind
+from hybrid3d.model.tp_plan import EMBEDDING, FINAL_NORM, LM_HEAD, REPLICATED, ROW, VOCAB, block_kind, block_weights
 from hybrid3d.parallel.tensor_parallel import padded_vocab_size
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
-
+MIXTRAL_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # hybrid3d -> HF
+# transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding
+# [w1; w3] of each expert, `mlp.experts.down_proj` (E, h, f) holding w2.
+_FUSED_MOE = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
 
 @dataclass(frozen=True)
 class ParamSpec:
@@ -42,12 +52,47 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     embed_name = f"tied_modules.{TIED_KEY}.weight" if shape.tie_word_embeddings else "0.weight"
     specs = [ParamSpec("model.embed_tokens.weight", embed_name, EMBEDDING)]
     for i in range(shape.num_layers):
-        specs += [ParamSpec(f"model.layers.{i}.{name}", f"{i + 1}.{name}", block_kind(name, shape, tp_size))
-                  for name in BLOCK_PLAN]
+        specs += [ParamSpec(f"model.layers.{i}.{hf_block_name(name)}", f"{i + 1}.{name}",
+                            block_kind(template, shape, tp_size))
+                  for name, template in block_weights(shape)]
     specs.append(ParamSpec("model.norm.weight", f"{shape.num_layers + 1}.weight", FINAL_NORM))
     if not shape.tie_word_embeddings:
         specs.append(ParamSpec("lm_head.weight", f"{shape.num_layers + 2}.weight", LM_HEAD))
     return specs
+
+
+def hf_block_name(name: str) -> str:
+    """The HF file name of decoder-block weight `name` (hybrid3d's, under `<i + 1>.`), under `model.layers.<i>.`."""
+    if name == "mlp.router.weight":
+        return "block_sparse_moe.gate.weight"
+    if name.startswith("mlp.experts."):
+        _, _, expert, proj, _ = name.split(".")  # mlp.experts.<e>.<proj>.weight
+        return f"block_sparse_moe.experts.{expert}.{MIXTRAL_EXPERT_WEIGHTS[proj]}.weight"
+    return name  # attention, norms and the dense MLP share HF's names
+
+
+def unfuse_hf_experts(hf_state_dict: Mapping) -> Mapping:
+    """`hf_state_dict` under the file names `param_specs` uses: a transformers >= 5 Mixtral module's
+    fused experts split into per-expert views (no copies), its router renamed. Anything else, e.g. a
+    lazy `HFSource`, is returned as it is, without reading a tensor."""
+    if not any(_FUSED_MOE.match(name) for name in hf_state_dict):
+        return hf_state_dict
+    out = {}
+    for name, tensor in hf_state_dict.items():
+        match = _FUSED_MOE.match(name)
+        if match is None:
+            out[name] = tensor
+            continue
+        prefix, kind = match.groups()
+        moe = f"{prefix}.block_sparse_moe"
+        if kind == "gate.weight":
+            out[f"{moe}.gate.weight"] = tensor  # (E, h)
+        elif kind == "experts.down_proj":
+            out.update({f"{moe}.experts.{e}.w2.weight": w2 for e, w2 in enumerate(tensor)})  # (h, f) each
+        else:
+            for e, gate_up in enumerate(tensor):  # (2f, h): gate rows first, then up
+                out[f"{moe}.experts.{e}.w1.weight"], out[f"{moe}.experts.{e}.w3.weight"] = gate_up.chunk(2)
+    return out
 
 
 def shard_hf_tensor(spec: ParamSpec, tensor: torch.Tensor, shape: LlamaShape, tp_rank: int, tp_size: int):
@@ -78,11 +123,13 @@ def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor], shape: LlamaSha
 
 def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: LlamaShape,
                        tp: TensorParallelGroup) -> None:
-    """Copy HF `LlamaForCausalLM` weights into a TP model's parameters, slicing for this TP rank.
+    """Copy HF `LlamaForCausalLM` (or `MixtralForCausalLM`) weights into a TP model's parameters, slicing for this TP rank.
 
     Works for a LlamaSequential (all layers) or a pipeline stage holding some of them: a parameter
     whose local name the model lacks is skipped, but every model parameter must be filled.
+    Mixtral weights may come under the file names or as a transformers >= 5 module's `state_dict()`.
     """
+    hf_state_dict = unfuse_hf_experts(hf_state_dict)
     params = dict(model.named_parameters())
     filled = set()
     for spec in param_specs(shape, tp.size):

@@ -2,6 +2,9 @@
 
 The same layer classes serve the single-stage model (`LlamaSequential`) and DeepSpeed's
 PipelineModule, with the same global layer indices, so parameter names agree between them.
+
+In a mixture-of-experts model the layers after the embedding pass a tuple (hidden, router_stats)
+(moe.py): each block adds its routing statistics, the final norm and head carry them to the loss.
 """
 
 from typing import Optional
@@ -12,6 +15,7 @@ from torch import nn
 from hybrid3d.model.attention import Attention
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.mlp import SwiGLU
+from hybrid3d.model.moe import MoEFeedForward, join_router_stats, split_router_stats
 from hybrid3d.model.norm import RMSNorm
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -44,7 +48,8 @@ class Embedding(VocabParallelEmbedding):
 
 class DecoderBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h); each rank holds
-    s/c of the sequence with context parallelism, s/(c·t) with sequence parallelism too."""
+    s/c of the sequence with context parallelism, s/(c·t) with sequence parallelism too.
+    With experts (`shape.num_experts`): x or (x, router_stats) -> (x, router_stats)."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
                  device=None, dtype=None):
@@ -53,16 +58,25 @@ class DecoderBlock(nn.Module):
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.self_attn = Attention(shape, tp, cp, **kw)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
-        self.mlp = SwiGLU(shape, tp, **kw)
+        self.moe = shape.is_moe
+        self.mlp = MoEFeedForward(shape, tp, **kw) if self.moe else SwiGLU(shape, tp, **kw)
 
-    def forward(self, x):
+    def forward(self, inputs):
+        x, router_stats = split_router_stats(inputs)
         x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if not self.moe:
+            return x + self.mlp(self.post_attention_layernorm(x))
+        out, router_stats = self.mlp(self.post_attention_layernorm(x), router_stats)
+        return x + out, router_stats
 
 
 class FinalNorm(RMSNorm):
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         super().__init__(shape.hidden_size, shape.rms_norm_eps, tp, device=device, dtype=dtype)
+
+    def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
+        hidden, router_stats = split_router_stats(inputs)
+        return join_router_stats(super().forward(hidden), router_stats)
 
 
 class LMHead(ColumnParallelLinear):
@@ -73,10 +87,16 @@ class LMHead(ColumnParallelLinear):
         super().__init__(shape.hidden_size, padded, tp, init_method=padded_vocab_init(shape),
                          device=device, dtype=dtype)
 
+    def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
+        hidden, router_stats = split_router_stats(inputs)
+        return join_router_stats(super().forward(hidden), router_stats)
 
-def tied_lm_logits(embedding: Embedding, hidden):
-    """Tied head: logits from the embedding's vocab-sharded weight. (b, s, h) -> (b, s, V_padded/t)."""
-    return vocab_parallel_logits(hidden, embedding.weight, embedding.tp)
+
+def tied_lm_logits(embedding: Embedding, inputs):
+    """Tied head: logits from the embedding's vocab-sharded weight. (b, s, h) -> (b, s, V_padded/t);
+    (hidden, router_stats) -> (logits, router_stats)."""
+    hidden, router_stats = split_router_stats(inputs)
+    return join_router_stats(vocab_parallel_logits(hidden, embedding.weight, embedding.tp), router_stats)
 
 
 def layer_classes(shape: LlamaShape) -> list[type]:

@@ -11,6 +11,7 @@ from torch import nn
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
+from hybrid3d.model.moe import load_balancing_loss, split_router_stats
 from hybrid3d.parallel.context_parallel import sequence_mean
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
 from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
@@ -18,7 +19,9 @@ from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, Tensor
 
 class LanguageModelLoss:
     """Mean next-token cross entropy over vocab-sharded logits; DeepSpeed's `loss_fn(outputs, labels)`.
-    With context parallelism the logits and targets are this rank's s/c positions (`sequence_mean`)."""
+    With context parallelism the logits and targets are this rank's s/c positions (`sequence_mean`).
+    A MoE model's outputs are (logits, router_stats): the loss is then, as HF Mixtral's with
+    `output_router_logits`, cross entropy + router_aux_loss_coef · load-balancing loss (moe.py)."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ignore_index: int = IGNORE_INDEX,
                  cp: Optional[ContextParallelGroup] = None):
@@ -26,14 +29,21 @@ class LanguageModelLoss:
         self.tp = tp
         self.cp = cp or ContextParallelGroup.single()
         self.ignore_index = ignore_index
+        self.num_experts = shape.num_experts
+        self.router_aux_loss_coef = shape.router_aux_loss_coef
 
-    def __call__(self, logits, targets):  # (b, s/c, V_padded/t), (b, s/c) -> scalar
+    def __call__(self, outputs, targets):  # (b, s/c, V_padded/t) or (that, (2E + 1,)), (b, s/c) -> scalar
+        logits, router_stats = split_router_stats(outputs)
         total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
-        return sequence_mean(total, count, self.cp)
+        loss = sequence_mean(total, count, self.cp)
+        if router_stats is not None:
+            loss = loss + self.router_aux_loss_coef * load_balancing_loss(router_stats, self.num_experts)
+        return loss
 
 
 class LlamaSequential(nn.Module):
-    """[Embedding, DecoderBlock x L, FinalNorm, LMHead?]: ids (b, s) -> logits (b, s, V_padded/t).
+    """[Embedding, DecoderBlock x L, FinalNorm, LMHead?]: ids (b, s) -> logits (b, s, V_padded/t);
+    with experts -> (logits, router_stats (2E + 1,)), the input of `loss_fn`.
 
     Layer i is registered as child `str(i)`, except a tied embedding, which lives in
     `tied_modules.embed` as in PipelineModule: parameter names are identical in both forms.
@@ -70,7 +80,8 @@ class LlamaSequential(nn.Module):
         step = self.checkpoint_interval or self.shape.num_layers
         for start in range(1, blocks_end, step):
             run = _run_layers(layers[start:min(start + step, blocks_end)])
-            hidden = self.checkpoint_fn(run, hidden) if self.checkpoint_interval else run(hidden)
+            args = hidden if isinstance(hidden, tuple) else (hidden,)  # MoE: (hidden, router_stats)
+            hidden = self.checkpoint_fn(run, *args) if self.checkpoint_interval else run(*args)
         for layer in layers[blocks_end:]:
             hidden = layer(hidden)
         return tied_lm_logits(layers[0], hidden) if self.shape.tie_word_embeddings else hidden
@@ -80,7 +91,8 @@ class LlamaSequential(nn.Module):
 
 
 def _run_layers(layers):
-    def run(hidden):
+    def run(*inputs):  # one tensor, or a tuple's tensors as checkpoint functions pass them (as PipelineModule's)
+        hidden = inputs[0] if len(inputs) == 1 else inputs
         for layer in layers:
             hidden = layer(hidden)
         return hidden

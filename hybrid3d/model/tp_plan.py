@@ -10,6 +10,11 @@ Key/value heads (GQA) are the one rule that depends on the sizes: split like q w
 when t is a multiple of kv heads, the full k/v weights are replicated on every rank, each rank uses
 the head its query heads share, and the weight gradient is summed over TP. Other combinations are
 refused (`check_split`).
+
+Mixture-of-experts blocks (Mixtral) replace the dense MLP by a router and E SwiGLU experts: each
+expert is split over TP exactly like the dense MLP (gate/up column-, down row-parallel), so every TP
+rank holds an f/t slice of every expert; the router (E x h) is replicated, so all TP ranks route
+every token alike. Expert parallelism (whole experts per rank) is not part of this plan yet.
 """
 
 from hybrid3d.errors import LayoutError
@@ -31,6 +36,29 @@ BLOCK_PLAN = {
     "post_attention_layernorm.weight": REPLICATED,
 }
 EMBEDDING, FINAL_NORM, LM_HEAD = VOCAB, REPLICATED, VOCAB
+DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+
+# A mixture-of-experts block's feed-forward (hybrid3d names; `{e}` is the expert index 0..E-1).
+MOE_PLAN = {
+    "mlp.router.weight": REPLICATED,
+    "mlp.experts.{e}.gate_proj.weight": COLUMN,
+    "mlp.experts.{e}.up_proj.weight": COLUMN,
+    "mlp.experts.{e}.down_proj.weight": ROW,
+}
+
+
+def block_weights(shape: LlamaShape) -> list[tuple[str, str]]:
+    """(name under `<i + 1>.`, BLOCK_PLAN/MOE_PLAN template) of every decoder-block weight, in HF order:
+    BLOCK_PLAN for a dense block; for a MoE block its MLP entries replaced by MOE_PLAN, experts expanded."""
+    out = []
+    for name in BLOCK_PLAN:
+        if not (shape.is_moe and name in DENSE_MLP):
+            out.append((name, name))
+        elif name == DENSE_MLP[0]:
+            out.append(("mlp.router.weight", "mlp.router.weight"))
+            out += [(template.format(e=e), template) for e in range(shape.num_experts)
+                    for template in MOE_PLAN if "{e}" in template]
+    return out
 
 
 def kv_heads_split(num_kv_heads: int, t: int) -> bool:
@@ -56,8 +84,8 @@ def context_kv_heads(kv_per_rank: int, c: int) -> int:
 
 
 def block_kind(name: str, shape: LlamaShape, t: int) -> str:
-    """The split of decoder-block weight `name` (a BLOCK_PLAN key) at TP size t."""
-    kind = BLOCK_PLAN[name]
+    """The split of decoder-block weight `name` (a BLOCK_PLAN or MOE_PLAN key) at TP size t."""
+    kind = BLOCK_PLAN[name] if name in BLOCK_PLAN else MOE_PLAN[name]
     if kind == KV:
         return COLUMN if kv_heads_split(shape.num_kv_heads, t) else REPLICATED
     return kind
@@ -82,6 +110,11 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1) -> None:
             f"and context_parallel_size ({cp}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
+    if shape.is_moe and (t, pp, cp) != (1, 1, 1):
+        # The TP plan above covers experts, but only the single-process model is tested against HF so far.
+        raise LayoutError(f"num_local_experts ({shape.num_experts}): mixture-of-experts models run only with "
+                          f"tensor_parallel_size, pipeline_parallel_size and context_parallel_size 1 for now "
+                          f"(got {t}, {pp}, {cp})")
     if shape.num_layers < pp:
         raise LayoutError(
             f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({shape.num_layers}): "

@@ -1,0 +1,146 @@
+"""Mixture-of-experts feed-forward (Mixtral, Jiang et al. 2024) and its load-balancing loss.
+
+Each token goes to the k of E SwiGLU experts with the highest router probability; the output is the
+sum of their outputs weighted by those k probabilities renormalised to sum to 1. Every token is
+processed (no capacity limit, nothing dropped): each expert runs on the tokens routed to it
+(index_select, then index_add into the output), the order of operations of HF's
+`MixtralSparseMoeBlock`, so fp32 results equal it.
+
+Load balancing (Switch Transformer, Fedus et al. 2022, eqs. 4-6; GShard, Lepikhin et al. 2021, §2.2):
+    aux = E · Σ_e f_e · P_e,  f_e = (assignments of tokens to e) / N,  P_e = (Σ router probability of e) / N,
+with N = MoE layers × tokens. As in HF's `load_balancing_loss_func`, f and P are taken over all layers'
+tokens together, which is not the mean of per-layer losses. So each layer adds its sums to running
+statistics, one flat fp32 tensor `router_stats` = [assignment counts (E) | probability sums (E) | rows (1)]
+that travels with the hidden state from block to block (and from pipeline stage to stage, as the second
+tensor of the activation tuple); `load_balancing_loss` combines them once, at the loss. The counts
+carry no gradient (a top-k choice is not differentiable); the probability sums do.
+
+With TP each rank holds an f/t slice of every expert (gate/up column-, down row-parallel, as in the
+dense SwiGLU) and the router is replicated, so every rank routes every token alike: the experts'
+partial outputs are summed over TP once for all experts (g), and the input and routing-weight
+gradients, partial per rank, are summed once (f).
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelGroup,
+    copy_to_tp_region,
+    reduce_from_tp_region,
+)
+from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
+
+
+def router_stats_size(num_experts: int) -> int:
+    """Elements of `router_stats`: E counts, E probability sums, 1 row count."""
+    return 2 * num_experts + 1
+
+
+def layer_router_stats(probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
+    """One layer's sums: probs (n, E) fp32, indices (n, k) -> (2E + 1,) fp32."""
+    n, num_experts = probs.shape
+    ones = torch.ones(indices.numel(), dtype=torch.float32, device=probs.device)
+    # index_add rather than bincount: no device-to-host sync for the output size
+    counts = torch.zeros(num_experts, dtype=torch.float32, device=probs.device).index_add_(0, indices.reshape(-1), ones)
+    rows = torch.full((1,), float(n), dtype=torch.float32, device=probs.device)
+    return torch.cat((counts, probs.sum(dim=0), rows))
+
+
+def load_balancing_loss(router_stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """aux = E · Σ_e (counts_e / N) · (prob_sums_e / N) from summed `router_stats` (2E + 1,) -> scalar."""
+    counts, prob_sums = router_stats[:num_experts], router_stats[num_experts:2 * num_experts]
+    rows = router_stats[2 * num_experts].clamp(min=1)
+    return torch.sum((counts / rows) * (prob_sums / rows)) * num_experts
+
+
+def split_router_stats(inputs):
+    """A layer's input as (hidden, router_stats): a MoE model passes tuples, a dense one bare tensors (stats None)."""
+    return inputs if isinstance(inputs, tuple) else (inputs, None)
+
+
+def join_router_stats(hidden, router_stats):
+    """The inverse of `split_router_stats`: the tuple only when there are statistics to carry."""
+    return hidden if router_stats is None else (hidden, router_stats)
+
+
+class Router(nn.Module):
+    """Top-k gating, HF `MixtralTopKRouter`'s math: logits = x Wᵀ, softmax in fp32, top-k of the
+    probabilities, renormalised by their sum. Replicated over TP."""
+
+    def __init__(self, shape: LlamaShape, device=None, dtype=None):
+        super().__init__()
+        self.top_k = shape.experts_per_token
+        full = (shape.num_experts, shape.hidden_size)  # (E, h)
+        self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
+        init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
+
+    def forward(self, x):  # (n, h) -> probs (n, E) fp32, weights (n, k) fp32, indices (n, k)
+        logits = F.linear(x, self.weight)  # (n, E)
+        probs = torch.softmax(logits.float(), dim=-1)
+        top_probs, indices = torch.topk(probs, self.top_k, dim=-1)
+        return probs, top_probs / top_probs.sum(dim=-1, keepdim=True), indices
+
+
+class Expert(nn.Module):
+    """One SwiGLU expert, split over TP like the dense MLP. `Experts.forward` runs the TP collectives
+    once for all experts, so it uses these layers' weights directly, not their forward."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        h, f = shape.hidden_size, shape.intermediate_size
+        kw = dict(device=device, dtype=dtype, init_method=normal_init(shape.initializer_range))
+        self.gate_proj = ColumnParallelLinear(h, f, tp, **kw)
+        self.up_proj = ColumnParallelLinear(h, f, tp, **kw)
+        self.down_proj = RowParallelLinear(f, h, tp, input_is_parallel=True, **kw)
+
+    def partial(self, x):  # (n_e, h) -> (n_e, h), this rank's f/t share of the sum over f
+        hidden = F.silu(F.linear(x, self.gate_proj.weight)) * F.linear(x, self.up_proj.weight)  # (n_e, f/t)
+        return F.linear(hidden, self.down_proj.weight)
+
+
+class Experts(nn.ModuleList):
+    """E experts, registered as `experts.<e>.{gate,up,down}_proj.weight`: one HF expert tensor each.
+
+    Expert parallelism replaces `forward`'s loop with an all-to-all dispatch to the ranks holding
+    each expert and a combine back; the routing inputs (weights, indices) stay the same."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__(Expert(shape, tp, device=device, dtype=dtype) for _ in range(shape.num_experts))
+        self.tp = tp
+
+    def forward(self, x, weights, indices):  # (n, h), (n, k) fp32, (n, k) -> (n, h)
+        tp = self.tp
+        x = copy_to_tp_region(x, tp)  # f: each rank's expert slices give a partial input gradient
+        weights = copy_to_tp_region(weights, tp)  # f: so do they for the routing weights
+        out = torch.zeros_like(x)  # (n, h)
+        # Every expert runs, even on no tokens: its weights then get a zero gradient, as HF's fused
+        # expert tensors do, so optimizers (AdamW's decay and moments) update them alike.
+        for e, expert in enumerate(self):
+            token, slot = torch.where(indices == e)  # (n_e,) tokens routed to e, and which of their k choices
+            y = expert.partial(x.index_select(0, token)) * weights[token, slot, None]  # (n_e, h), fp32
+            out.index_add_(0, token, y.to(out.dtype))
+        return reduce_from_tp_region(out, tp)  # g: the sum of the f/t partial outputs
+
+
+class MoEFeedForward(nn.Module):
+    """The block's feed-forward in a MoE model: x (b, s, h), router_stats (2E + 1,) or None (the first
+    block starts them at zero) -> (b, s, h), router_stats with this layer's sums added."""
+
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+        super().__init__()
+        self.num_experts = shape.num_experts
+        self.router = Router(shape, device=device, dtype=dtype)
+        self.experts = Experts(shape, tp, device=device, dtype=dtype)
+
+    def forward(self, x, router_stats=None):
+        b, s, h = x.shape
+        flat = x.reshape(b * s, h)  # (n, h), n = b·s
+        probs, weights, indices = self.router(flat)  # (n, E), (n, k), (n, k)
+        out = self.experts(flat, weights, indices).view(b, s, h)
+        stats = layer_router_stats(probs, indices)  # (2E + 1,)
+        return out, stats if router_stats is None else router_stats + stats
