@@ -64,7 +64,7 @@ def recorded_schedule(pp: int, schedule: str, virtual: int) -> dict:
 
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
-                cp: int = 1, schedule: str = "1f1b", virtual: int = 1) -> ResumePlan:
+                cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
     saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
     schedule decides which layers a rank holds (DualPipeV: stages r and 2p-1-r; interleaved: r + k·p), so
@@ -88,6 +88,6 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
     saved_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("schedule", "1f1b"),
-                    saved.get("virtual", 1))
-    universal = not module_only and saved_layout != (tp, pp, dp, cp, schedule, virtual)
+                    saved.get("virtual", 1), saved.get("ep", 1))
+    universal = not module_only and saved_layout != (tp, pp, dp, cp, schedule, virtual, ep)
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

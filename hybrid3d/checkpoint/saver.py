@@ -47,9 +47,8 @@ class CheckpointSaver:
         if self.is_rank0:
             prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})
         dist.barrier()
-        self.trainer.engine.save_checkpoint(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
-                                            client_state={"hybrid3d": {"step": step, "samples_consumed": samples,
-                                                                       "rng": rng}})
+        self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
+                          client_state={"hybrid3d": {"step": step, "samples_consumed": samples, "rng": rng}})
         dist.barrier()  # every rank's files are on disk before the commit
         if self.is_rank0:
             commit(self.save_dir, tag)

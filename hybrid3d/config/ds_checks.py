@@ -206,3 +206,27 @@ def checkpoints_in_flight(num_layers: int, pp: int, interval: int, gas: int) -> 
     micro-batches in flight on the first stage, min(pp, GAS) (one without a pipeline)."""
     chunks = math.ceil(math.ceil(num_layers / pp) / interval)
     return chunks * (min(pp, gas) if pp > 1 else 1)
+
+
+def check_expert_parallel(ds: dict, hybrid: HybridSection, dp: int) -> None:
+    """`expert_parallel_size` (e): the combinations tested against HF, one line for each of the others.
+    e divides the data-parallel size d (the expert-parallel groups are e of the d data ranks). ZeRO stage 0
+    clips with DeepSpeed's fp32 `clip_grad_norm_`, which averages per-rank norms where the experts' squares
+    must be summed (ds_internals/experts.py); bf16/fp16, context and sequence parallelism, and the pipeline
+    schedules other than 1F1B are untested with experts spread over ranks."""
+    e, key = hybrid.expert_parallel_size, f"{SECTION}.expert_parallel_size"
+    if e == 1:
+        return
+    if dp % e:
+        raise ConfigError(f"{key} ({e}) must divide the data-parallel size ({dp})")
+    if hybrid.context_parallel_size > 1:
+        raise ConfigError(f"{key} > 1 cannot be combined with {SECTION}.context_parallel_size > 1 yet")
+    if hybrid.sequence_parallel:
+        raise ConfigError(f"{key} > 1 cannot be combined with {SECTION}.sequence_parallel yet")
+    if ds.get("zero_optimization", {}).get("stage", 0) == 0:
+        raise ConfigError(f"{key} > 1 needs zero_optimization.stage 1 or 2 (stage 0's clipping miscounts experts)")
+    if ds.get("bf16", {}).get("enabled", False) or ds.get("fp16", {}).get("enabled", False):
+        raise ConfigError(f"{key} > 1 runs in fp32 only for now (bf16.enabled / fp16.enabled)")
+    if hybrid.pipeline_schedule != "1f1b" or hybrid.pipeline_zero2:
+        raise ConfigError(f"{key} > 1 runs with {SECTION}.pipeline_schedule '1f1b' and without "
+                          f"{SECTION}.pipeline_zero2 only for now")

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
+    check_expert_parallel,
     check_nonfinite_policy,
     check_pipeline_schedule,
     check_pipeline_zero2,
@@ -38,6 +39,10 @@ class RunConfig:
     @property
     def cp(self) -> int:
         return self.hybrid.context_parallel_size
+
+    @property
+    def ep(self) -> int:
+        return self.hybrid.expert_parallel_size
 
     @property
     def sp(self) -> bool:
@@ -86,6 +91,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_pipeline_schedule(ds, hybrid)
     check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
+    check_expert_parallel(ds, hybrid, world_size // (tp * pp * cp))
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
     check_activation_checkpointing(ds, pp, num_layers, on_cpu)
     return RunConfig(hybrid=hybrid, ds_config=ds)

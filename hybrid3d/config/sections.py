@@ -60,6 +60,9 @@ class HybridSection:
     sequence_parallel: bool = False
     # DeepSpeed-Ulysses context parallelism: each sequence split over c more ranks (world = t·p·d·c).
     context_parallel_size: int = 1
+    # Expert parallelism (GShard; DeepSpeed-MoE) for mixture-of-experts models: each of e data-parallel ranks
+    # holds E/e whole experts and tokens travel to them by all-to-all; e divides the data-parallel size.
+    expert_parallel_size: int = 1
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128

@@ -25,6 +25,7 @@ from hybrid3d.parallel.tensor_parallel import (
     padded_vocab_size,
     vocab_parallel_logits,
 )
+from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import normal_init
 
 
@@ -52,14 +53,14 @@ class DecoderBlock(nn.Module):
     With experts (`shape.num_experts`): x or (x, router_stats) -> (x, router_stats)."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
-                 device=None, dtype=None):
+                 device=None, dtype=None, ep: Optional[ExpertParallelGroup] = None):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.self_attn = Attention(shape, tp, cp, **kw)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.moe = shape.is_moe
-        self.mlp = MoEFeedForward(shape, tp, **kw) if self.moe else SwiGLU(shape, tp, **kw)
+        self.mlp = MoEFeedForward(shape, tp, ep, **kw) if self.moe else SwiGLU(shape, tp, **kw)
 
     def forward(self, inputs):
         x, router_stats = split_router_stats(inputs)
@@ -105,13 +106,17 @@ def layer_classes(shape: LlamaShape) -> list[type]:
     return classes if shape.tie_word_embeddings else classes + [LMHead]
 
 
-def layer_kwargs(cls: type, cp: Optional[ContextParallelGroup]) -> dict:
-    """Constructor arguments beyond (shape, tp): the context-parallel group, which only attention uses."""
-    return {"cp": cp} if cls is DecoderBlock and cp is not None else {}
+def layer_kwargs(cls: type, cp: Optional[ContextParallelGroup], ep: Optional[ExpertParallelGroup] = None) -> dict:
+    """Constructor arguments beyond (shape, tp): the context-parallel group, which only attention uses, and the
+    expert-parallel group, which only a MoE block's experts use."""
+    if cls is not DecoderBlock:
+        return {}
+    return {**({"cp": cp} if cp is not None else {}), **({"ep": ep} if ep is not None else {})}
 
 
 def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
-                 seed: Optional[int] = None, cp: Optional[ContextParallelGroup] = None) -> list[nn.Module]:
+                 seed: Optional[int] = None, cp: Optional[ContextParallelGroup] = None,
+                 ep: Optional[ExpertParallelGroup] = None) -> list[nn.Module]:
     """Instantiate `layer_classes(shape)`. With `seed`, layer i is drawn after seeding `seed + i`,
     exactly as PipelineModule(seed_layers=True, base_seed=seed) does, so a single-stage model and
     any pipeline partitioning start from the same weights."""
@@ -119,5 +124,5 @@ def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=
     for index, cls in enumerate(layer_classes(shape)):
         if seed is not None:
             set_random_seed(seed + index)
-        layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, cp)))
+        layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, cp, ep)))
     return layers

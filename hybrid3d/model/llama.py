@@ -14,7 +14,7 @@ from hybrid3d.model.layers import build_layers, tied_lm_logits
 from hybrid3d.model.moe import load_balancing_loss, split_router_stats
 from hybrid3d.parallel.context_parallel import sequence_mean
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
 class LanguageModelLoss:
@@ -55,9 +55,9 @@ class LlamaSequential(nn.Module):
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
                  seed: Optional[int] = None, checkpoint_interval: int = 0, checkpoint_fn: Optional[Callable] = None,
-                 cp: Optional[ContextParallelGroup] = None):
+                 cp: Optional[ContextParallelGroup] = None, ep: Optional[ExpertParallelGroup] = None):
         super().__init__()
-        layers = build_layers(shape, tp, device=device, dtype=dtype, seed=seed, cp=cp)
+        layers = build_layers(shape, tp, device=device, dtype=dtype, seed=seed, cp=cp, ep=ep)
         if shape.tie_word_embeddings:
             self.tied_modules = nn.ModuleDict({TIED_KEY: layers[0]})
         else:

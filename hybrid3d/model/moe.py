@@ -19,13 +19,28 @@ With TP each rank holds an f/t slice of every expert (gate/up column-, down row-
 dense SwiGLU) and the router is replicated, so every rank routes every token alike: the experts'
 partial outputs are summed over TP once for all experts (g), and the input and routing-weight
 gradients, partial per rank, are summed once (f).
+
+With expert parallelism (GShard, Lepikhin et al. 2021; DeepSpeed-MoE, Rajbhandari et al. 2022) each of the e
+ranks of the expert-parallel group holds E/e whole experts and tokens travel to them by all-to-all and back
+(parallel/expert_parallel.py); routing and its statistics stay on the token's own rank. With TP as well, each
+TP rank exchanges its tokens with the ranks of the same TP index and the f/g pair above is unchanged.
+
+Why not DeepSpeed's `deepspeed.moe.layer.MoE`: its `TopKGate` cannot reproduce Mixtral. Its top-2 picks the
+second expert from Gumbel-noised logits (`top2gating`, `top2_2nd_expert_sampling`), caps each expert's tokens
+at a capacity and drops the rest (`drop_tokens`), and computes its own auxiliary loss per layer from the
+first choice only; HF's Mixtral takes an exact top-k, drops nothing and pools the load-balancing statistics of
+all k choices over all layers. hybrid3d keeps its router and
+hands DeepSpeed only what its engine needs to treat the experts as expert parameters (ds_internals/experts.py).
 """
+
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.parallel.expert_parallel import combine, dispatch
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -33,6 +48,7 @@ from hybrid3d.parallel.tensor_parallel import (
     copy_to_tp_region,
     reduce_from_tp_region,
 )
+from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
 
 
@@ -103,39 +119,70 @@ class Expert(nn.Module):
         return F.linear(hidden, self.down_proj.weight)
 
 
-class Experts(nn.ModuleList):
-    """E experts, registered as `experts.<e>.{gate,up,down}_proj.weight`: one HF expert tensor each.
+class Experts(nn.Module):
+    """The experts this rank holds, registered under their global index as `experts.<e>.{gate,up,down}_proj.weight`:
+    one HF expert tensor each, so HF names map the same way whichever experts a rank holds.
 
-    Expert parallelism replaces `forward`'s loop with an all-to-all dispatch to the ranks holding
-    each expert and a combine back; the routing inputs (weights, indices) stay the same."""
+    Without expert parallelism every rank holds all E experts and runs them in a loop. With it (`ep.size` > 1)
+    it holds E/e of them: the tokens travel to their experts' ranks and back (parallel/expert_parallel.py), and
+    each expert parameter is marked as DeepSpeed's MoE layer marks its own (`allreduce = False`, `group_name`),
+    so the engine and ZeRO reduce its gradient over the expert-data-parallel group only (ds_internals/experts.py).
+    Building skips no random draw: the experts of other ranks are drawn and dropped, so the initial weights
+    do not depend on e."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
-        super().__init__(Expert(shape, tp, device=device, dtype=dtype) for _ in range(shape.num_experts))
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ep: Optional[ExpertParallelGroup] = None,
+                 device=None, dtype=None):
+        super().__init__()
         self.tp = tp
+        self.ep = ep or ExpertParallelGroup.single()
+        self.num_experts = shape.num_experts
+        local = self.ep.local_experts(shape.num_experts)
+        for e in range(shape.num_experts):
+            expert = Expert(shape, tp, device=device, dtype=dtype)  # drawn on every rank: the RNG stream stays e-free
+            if e in local:
+                self.add_module(str(e), expert)
+        if self.ep.size > 1:
+            for param in self.parameters():
+                param.allreduce = False  # deepspeed.moe.utils.is_moe_param
+                param.group_name = self.ep.name
 
     def forward(self, x, weights, indices):  # (n, h), (n, k) fp32, (n, k) -> (n, h)
         tp = self.tp
         x = copy_to_tp_region(x, tp)  # f: each rank's expert slices give a partial input gradient
         weights = copy_to_tp_region(weights, tp)  # f: so do they for the routing weights
         out = torch.zeros_like(x)  # (n, h)
-        # Every expert runs, even on no tokens: its weights then get a zero gradient, as HF's fused
-        # expert tensors do, so optimizers (AdamW's decay and moments) update them alike.
-        for e, expert in enumerate(self):
-            token, slot = torch.where(indices == e)  # (n_e,) tokens routed to e, and which of their k choices
-            y = expert.partial(x.index_select(0, token)) * weights[token, slot, None]  # (n_e, h), fp32
-            out.index_add_(0, token, y.to(out.dtype))
+        if self.ep.size > 1:
+            self._expert_parallel(x, weights, indices, out)
+        else:
+            # Every expert runs, even on no tokens: its weights then get a zero gradient, as HF's fused
+            # expert tensors do, so optimizers (AdamW's decay and moments) update them alike.
+            for e, expert in self.named_children():
+                token, slot = torch.where(indices == int(e))  # (n_e,) tokens routed to e, and which of their k choices
+                y = expert.partial(x.index_select(0, token)) * weights[token, slot, None]  # (n_e, h), fp32
+                out.index_add_(0, token, y.to(out.dtype))
         return reduce_from_tp_region(out, tp)  # g: the sum of the f/t partial outputs
+
+    def _expert_parallel(self, x, weights, indices, out):
+        """Dispatch, run the local experts on their rows, combine; the same products and the same order of
+        additions into `out` as the loop above (expert by expert, tokens in order)."""
+        k = indices.shape[1]
+        rows, per_expert, plan = dispatch(x, indices, self.num_experts, self.ep)  # (r, h) grouped by local expert
+        outputs = [expert.partial(chunk) for expert, chunk in zip(self.children(), rows.split(per_expert))]
+        y = combine(torch.cat(outputs), plan)  # (n·k, h): the output for assignment plan.order[j]
+        y = y * weights.reshape(-1).index_select(0, plan.order)[:, None]  # fp32
+        out.index_add_(0, plan.order // k, y.to(out.dtype))
 
 
 class MoEFeedForward(nn.Module):
     """The block's feed-forward in a MoE model: x (b, s, h), router_stats (2E + 1,) or None (the first
     block starts them at zero) -> (b, s, h), router_stats with this layer's sums added."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ep: Optional[ExpertParallelGroup] = None,
+                 device=None, dtype=None):
         super().__init__()
         self.num_experts = shape.num_experts
         self.router = Router(shape, device=device, dtype=dtype)
-        self.experts = Experts(shape, tp, device=device, dtype=dtype)
+        self.experts = Experts(shape, tp, ep, device=device, dtype=dtype)
 
     def forward(self, x, router_stats=None):
         b, s, h = x.shape

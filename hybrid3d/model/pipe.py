@@ -19,7 +19,7 @@ from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
@@ -47,14 +47,15 @@ def check_schedule_stages(shape: LlamaShape, pp: int, schedule: str, virtual: in
                           f"virtual_pipeline_size = {pp * virtual})")
 
 
-def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: ContextParallelGroup | None = None) -> list:
+def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: ContextParallelGroup | None = None,
+                         ep: ExpertParallelGroup | None = None) -> list:
     specs = []
     classes = layer_classes(shape)
     for index, cls in enumerate(classes):
         if index == 0 and shape.tie_word_embeddings:
             specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, tied_weight_attr=["weight"]))
         else:
-            specs.append(LayerSpec(cls, shape, tp, **layer_kwargs(cls, cp)))
+            specs.append(LayerSpec(cls, shape, tp, **layer_kwargs(cls, cp, ep)))
     if shape.tie_word_embeddings:
         specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, forward_fn=tied_lm_logits,
                                    tied_weight_attr=["weight"]))
@@ -69,7 +70,7 @@ def _seed_layer(seed) -> None:
 def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
                           partition_method: str = DEFAULT_PARTITION_METHOD,
                           cp: ContextParallelGroup | None = None, schedule: str = "1f1b",
-                          virtual: int = 1) -> PipelineModule:
+                          virtual: int = 1, ep: ExpertParallelGroup | None = None) -> PipelineModule:
     """A PipelineModule over `layout.topology()`; for `schedule` "dualpipev" DeepSpeed's DualPipeVModule
     (2p stages; `deepspeed.initialize` then builds the DualPipeVEngine), for "interleaved" an
     InterleavedPipelineModule of `virtual` chunks per rank (v·p stages). `seed_layers` makes the initial
@@ -77,7 +78,7 @@ def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorP
     module_cls = {"dualpipev": DualPipeVModule, "1f1b": PipelineModule,
                   "interleaved": functools.partial(InterleavedPipelineModule, virtual_stages=virtual)}[schedule]
     return module_cls(
-        layers=pipeline_layer_specs(shape, tp, cp),
+        layers=pipeline_layer_specs(shape, tp, cp, ep),
         topology=layout.topology(),
         loss_fn=LanguageModelLoss(shape, tp, cp=cp),
         seed_layers=True,

@@ -91,8 +91,9 @@ def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     return kind
 
 
-def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1) -> None:
-    """Raise LayoutError if TP size t, pp stages and context-parallel size cp cannot split `shape` exactly."""
+def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+    """Raise LayoutError if TP size t, pp stages, context-parallel size cp and expert-parallel size ep cannot
+    split `shape` exactly."""
     if shape.num_heads % t:
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size ({t})")
     kv = shape.num_kv_heads
@@ -110,12 +111,27 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1) -> None:
             f"and context_parallel_size ({cp}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
-    if shape.is_moe and (t, pp, cp) != (1, 1, 1):
-        # The TP plan above covers experts, but only the single-process model is tested against HF so far.
-        raise LayoutError(f"num_local_experts ({shape.num_experts}): mixture-of-experts models run only with "
-                          f"tensor_parallel_size, pipeline_parallel_size and context_parallel_size 1 for now "
-                          f"(got {t}, {pp}, {cp})")
+    check_experts(shape, t, pp, cp, ep)
     if shape.num_layers < pp:
         raise LayoutError(
             f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({shape.num_layers}): "
             "every stage needs at least one decoder block")
+
+
+# Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
+TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2)}
+
+
+def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
+    """Expert parallelism splits whole experts (E divisible by ep); a dense model has none to split. MoE
+    layouts run only where tests compare them with HF (`TESTED_MOE_LAYOUTS`)."""
+    if ep > 1 and not shape.is_moe:
+        raise LayoutError(f"expert_parallel_size ({ep}) needs a mixture-of-experts model (num_local_experts > 0)")
+    if not shape.is_moe:
+        return
+    if shape.num_experts % ep:
+        raise LayoutError(f"num_local_experts ({shape.num_experts}) is not divisible by expert_parallel_size ({ep})")
+    if cp > 1 or (t, pp, ep) not in TESTED_MOE_LAYOUTS:
+        raise LayoutError(f"num_local_experts ({shape.num_experts}): tensor_parallel_size {t}, pipeline_parallel_size "
+                          f"{pp}, context_parallel_size {cp}, expert_parallel_size {ep} is not a tested "
+                          f"mixture-of-experts layout (tested (t, pp, ep): {sorted(TESTED_MOE_LAYOUTS)}, cp 1)")

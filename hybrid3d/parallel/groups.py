@@ -3,9 +3,10 @@
 import deepspeed.comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
+from hybrid3d.ds_internals.experts import create_expert_groups
 from hybrid3d.errors import LayoutError
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
 def build_groups(layout: ParallelLayout) -> "ProcessGroups":
@@ -19,7 +20,26 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
     context = _context_group(grid._topo, layout.cp) if layout.cp > 1 else ContextParallelGroup.single()
-    return ProcessGroups(layout, grid, context)
+    groups = ProcessGroups(layout, grid, context)
+    if layout.ep == 1:
+        return groups
+    return ProcessGroups(layout, grid, context, _expert_group(groups, grid._topo, layout))
+
+
+def _expert_group(mpu: "ProcessGroups", topology, layout: ParallelLayout) -> ExpertParallelGroup:
+    """DeepSpeed's expert groups (ds_internals/experts.py), checked against the topology: the expert-parallel
+    group is the e consecutive data ranks of this rank's (pipe, model) pair, data = (data // e)·e + ep rank,
+    and the expert-data-parallel group the data ranks ≡ data (mod e), which hold the same experts."""
+    name, group, ep_ranks, _, edp_ranks = create_expert_groups(layout.ep, mpu)
+    me = topology.get_coord(dist.get_rank())
+    first = me.data - me.data % layout.ep
+    expected_ep = [topology.get_rank(pipe=me.pipe, data=first + r, model=me.model) for r in range(layout.ep)]
+    expected_edp = [topology.get_rank(pipe=me.pipe, data=d, model=me.model)
+                    for d in range(me.data % layout.ep, layout.dp, layout.ep)]
+    if ep_ranks != expected_ep or edp_ranks != expected_edp:
+        raise RuntimeError(f"DeepSpeed's expert groups {ep_ranks} / {edp_ranks} are not the layout's "
+                           f"{expected_ep} / {expected_edp}")
+    return ExpertParallelGroup(group=group, rank=me.data % layout.ep, size=layout.ep, name=name)
 
 
 def _context_group(topology, cp: int) -> ContextParallelGroup:
@@ -46,10 +66,12 @@ class ProcessGroups:
     """
 
     def __init__(self, layout: ParallelLayout, grid: PipelineParallelGrid,
-                 context: ContextParallelGroup = ContextParallelGroup.single()):
+                 context: ContextParallelGroup = ContextParallelGroup.single(),
+                 expert: ExpertParallelGroup = ExpertParallelGroup.single()):
         self.layout = layout
         self.grid = grid
         self._context = context
+        self._expert = expert
 
     # Tensor parallel: the grid's slice group.
     def get_tensor_model_parallel_group(self):
@@ -121,6 +143,10 @@ class ProcessGroups:
     def context_parallel(self) -> ContextParallelGroup:
         """What attention and the loss need for context parallelism (a group of one without it)."""
         return self._context
+
+    def expert_parallel(self) -> ExpertParallelGroup:
+        """The expert-parallel group the MoE blocks dispatch over (a group of one without expert parallelism)."""
+        return self._expert
 
     def data_shard(self) -> tuple[int, int]:
         """(rank, size) of this rank's data shard: the d replicas that read different sequences; the c CP

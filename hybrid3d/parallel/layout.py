@@ -13,6 +13,9 @@ engines, ZeRO stages and optimizer wrappers need to know: they partition and ave
 group cannot carry CP under the pipeline: PipelineEngine and the BF16_Optimizer path reduce gradients
 over `mpu.get_data_parallel_group()` only (runtime/engine.py `_reduce_non_expert_gradients`).
 
+Expert parallelism (`ep`, e) adds no axis either: the e consecutive data ranks of one (pipe, model) pair form
+an expert-parallel group, each holding E/e whole experts (parallel/expert_parallel.py), so e divides d.
+
 Sequence parallelism (`sp`) uses the TP group and adds no axis; it is part of the layout because it
 changes the shape of every activation between TP regions, (b, s/(c·t), h).
 """
@@ -31,18 +34,22 @@ class ParallelLayout:
     dp: int
     cp: int = 1
     sp: bool = False
+    ep: int = 1
 
     def __post_init__(self):
-        for name in ("tp", "pp", "dp", "cp"):
+        for name in ("tp", "pp", "dp", "cp", "ep"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         if self.sp and self.tp == 1:
             raise LayoutError("hybrid3d.sequence_parallel needs tensor_parallel_size > 1 (it splits the "
                               "sequence over the tensor-parallel group)")
+        if self.dp % self.ep:
+            raise LayoutError(f"hybrid3d.expert_parallel_size ({self.ep}) must divide the data-parallel size ({self.dp})")
 
     @classmethod
-    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False) -> "ParallelLayout":
+    def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False,
+                  ep: int = 1) -> "ParallelLayout":
         """Derive dp = world / (tp * pp * cp)."""
         if tp < 1 or pp < 1 or cp < 1:
             raise LayoutError(f"tensor_parallel_size ({tp}), pipeline_parallel_size ({pp}) and "
@@ -51,7 +58,7 @@ class ParallelLayout:
             names = "tensor_parallel_size * pipeline_parallel_size" + (" * context_parallel_size" if cp > 1 else "")
             sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
             raise LayoutError(f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp)
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp, ep=ep)
 
     @property
     def world_size(self) -> int:
@@ -61,7 +68,8 @@ class ParallelLayout:
     def name(self) -> str:
         tp = f"TP{self.tp}" + ("+SP" if self.sp else "")
         cp = f"-CP{self.cp}" if self.cp > 1 else ""
-        return f"{tp}{cp}-PP{self.pp}-DP{self.dp}"
+        ep = f"-EP{self.ep}" if self.ep > 1 else ""
+        return f"{tp}{cp}-PP{self.pp}-DP{self.dp}{ep}"
 
     def topology(self) -> PipeModelDataParallelTopology:
         """DeepSpeed's topology: d·c data-parallel ranks (CP folded into the data axis, module docstring)."""

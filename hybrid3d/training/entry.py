@@ -72,8 +72,11 @@ def prepare(args, overrides, world_size: int) -> Job:
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     on_cpu = get_accelerator().device_name() == "cpu"
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
-    layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp)
-    check_split(shape, layout.tp, layout.pp, layout.cp)
+    layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp, config.ep)
+    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
+    if layout.ep > 1 and layout.pp > 1:  # the job always saves at the end (training/trainer.py `save`)
+        raise ConfigError("hybrid3d.expert_parallel_size > 1 with pipeline_parallel_size > 1 cannot write "
+                          "checkpoints yet, so the training job refuses it")
     check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
     train, data = hybrid.train, hybrid.data
     if data.seq_length > shape.max_position_embeddings:
@@ -94,7 +97,10 @@ def prepare(args, overrides, world_size: int) -> Job:
         structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
         plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure,
                            cp=layout.cp, **recorded_schedule(layout.pp, hybrid.pipeline_schedule,
-                                                               hybrid.virtual_pipeline_size))
+                                                               hybrid.virtual_pipeline_size), ep=layout.ep)
+        if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
+            raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
+                              f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     hf_weights = None

@@ -201,7 +201,7 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     peak = hybrid.train.peak_tflops or peak_tflops()
     logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
-    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp,
+    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
                        **recorded_schedule(layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)},
             "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
     saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)

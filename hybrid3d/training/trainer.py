@@ -11,6 +11,7 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 `build_trainer` calls `deepspeed.checkpointing.configure` with the layout's process groups.
 """
 
+import contextlib
 import dataclasses
 import functools
 from pathlib import Path
@@ -20,14 +21,20 @@ import deepspeed
 import deepspeed.comm as dist
 import torch
 from deepspeed.accelerator import get_accelerator
+from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
+from hybrid3d.checkpoint.experts import load_experts, save_experts
 from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
+from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig, parse_config
 from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2
+from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
+from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
+from hybrid3d.model.moe import MoEFeedForward
 from hybrid3d.model.pipe import build_pipeline_module, check_schedule_stages
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
@@ -69,18 +76,42 @@ class Trainer:
         """Loss over GAS micro-batches without gradients, averaged over micro-batches and DP."""
         raise NotImplementedError
 
-    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None) -> None:
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {})
+    def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
+             save_latest: bool = True) -> None:
+        """DeepSpeed's checkpoint; with expert parallelism plus each expert-parallel rank's experts
+        (checkpoint/experts.py)."""
+        self._check_expert_checkpoint()
+        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        if self.layout.ep > 1:
+            tag_dir = Path(save_dir) / (tag or f"global_step{self.engine.global_steps}")
+            if self.groups.get_data_parallel_rank() < self.layout.ep:  # expert-data-parallel rank 0
+                save_experts(self.module, tag_dir, self.groups.expert_parallel().rank,
+                             self.groups.get_model_parallel_rank())
+            dist.barrier()
 
     def load(self, load_dir: str, tag: Optional[str] = None, module_only: Optional[bool] = None, **kwargs) -> dict:
         """Load a checkpoint. `module_only` (None: detect it) loads the weights alone, keeping the
         fresh optimizer, scheduler and step count: what a converted HF model (hf2hybrid) holds."""
+        self._check_expert_checkpoint()
         if module_only is None:
             module_only = self._is_module_only(Path(load_dir), tag)
         if module_only:
             kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
-        _, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if self.layout.ep > 1:  # DeepSpeed's module states hold data rank 0's experts only
+            kwargs["load_module_strict"] = False
+        loaded, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        if self.layout.ep > 1 and loaded is not None:
+            load_experts(self.module, Path(loaded).parent, self.groups.expert_parallel().rank,
+                         self.groups.get_model_parallel_rank())  # `loaded`: the tag's model-states file
         return client_state or {}
+
+    def _check_expert_checkpoint(self) -> None:
+        """Expert-parallel checkpoints are written and read without a pipeline only: DeepSpeed's PipelineEngine
+        treats a MoE model's checkpoint dict as its module state (`pipe/engine.py` `load_module_state_dict`)."""
+        if self.layout.ep > 1 and (self.layout.pp > 1 or self.config.ds_config.get("checkpoint", {}).get(
+                "load_universal", False)):
+            raise LayoutError(f"hybrid3d.expert_parallel_size ({self.layout.ep}): checkpoints are supported with "
+                              f"pipeline_parallel_size 1 and without resharding (load_universal) only for now")
 
     def _is_module_only(self, load_dir: Path, tag: Optional[str]) -> bool:
         """The tag's hybrid3d.json says so; without one, a ZeRO checkpoint lacking `*optim_states.pt`
@@ -171,11 +202,13 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
         on_cpu = get_accelerator().device_name() == "cpu"
         config = parse_config(config, dist.get_world_size(), num_layers=shape.num_layers, on_cpu=on_cpu)
     shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
-    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp)
-    check_split(shape, layout.tp, layout.pp, layout.cp)
+    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp, config.ep)
+    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
     check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule, config.hybrid.virtual_pipeline_size)
     groups = build_groups(layout)
-    tp, cp = groups.tensor_parallel(), groups.context_parallel()
+    tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
+    if shape.is_moe and layout.pp > 1:  # DeepSpeed partitions only outputs[0] of the (hidden, router_stats) tuple
+        turn_off_pipe_partitioning(config.ds_config, "a mixture-of-experts model (router statistics between stages)")
     seed = config.hybrid.seed
     seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ
     configure_activation_checkpointing(groups, config)
@@ -184,11 +217,11 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
         with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
             module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
                                            cp=cp, schedule=config.hybrid.pipeline_schedule,
-                                           virtual=config.hybrid.virtual_pipeline_size)
+                                           virtual=config.hybrid.virtual_pipeline_size, ep=ep)
     else:
         checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
         module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
-                                 checkpoint_fn=checkpoint_fn, cp=cp)
+                                 checkpoint_fn=checkpoint_fn, cp=cp, ep=ep)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
@@ -200,12 +233,18 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)
         initialize = functools.partial(pipeline_zero2.initialize,
                                        deferred_fraction=config.hybrid.pipeline_zero2_deferred_fraction)
-    engine, _, _, _ = initialize(
-        model=module,
-        model_parameters=[p for p in module.parameters() if p.requires_grad],
-        config=config.ds_config,
-        mpu=None if layout.pp > 1 else groups,  # the PipelineModule carries its own grid
-    )
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    experts = contextlib.nullcontext()
+    if layout.ep > 1:  # expert parameters in their own groups, partitioned by ZeRO over expert data parallelism
+        parameters = split_params_into_different_moe_groups_for_optimizer({"params": parameters, "name": "dense"})
+        experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
+    with experts:
+        engine, _, _, _ = initialize(
+            model=module,
+            model_parameters=parameters,
+            config=config.ds_config,
+            mpu=None if layout.pp > 1 else groups,  # the PipelineModule carries its own grid
+        )
     if layout.pp > 1:  # the fp32, ZeRO-0 path's clipping miscounts pipeline gradients (pipeline_clip.py)
         use_exact_clipping(engine, groups)
     trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer

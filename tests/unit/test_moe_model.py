@@ -13,7 +13,8 @@ from torch.utils.checkpoint import checkpoint
 from transformers import MixtralConfig, MixtralForCausalLM
 from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
 
-from hybrid3d.errors import LayoutError, UnsupportedConfigError
+from hybrid3d.config.run_config import parse_config
+from hybrid3d.errors import ConfigError, LayoutError, UnsupportedConfigError
 from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, load_hf_state_dict
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import gather_hf_state_dict, unfuse_hf_experts
@@ -98,9 +99,14 @@ def test_mixtral_config_refusals(field, overrides):
 def test_moe_refuses_untested_layouts():
     shape = LlamaShape.from_hf(MixtralConfig(**TINY))
     check_split(shape, 1, 1, 1)
-    for t, pp in ((2, 1), (1, 2)):
-        with pytest.raises(LayoutError, match="num_local_experts"):
-            check_split(shape, t, pp)
+    for t, pp, cp, ep in ((2, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 2), (1, 1, 1, 4)):
+        with pytest.raises(LayoutError, match="num_local_experts") as error:
+            check_split(shape, t, pp, cp, ep)
+        assert "\n" not in str(error.value)
+    with pytest.raises(LayoutError, match="not divisible by expert_parallel_size"):
+        check_split(LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 3})), 1, 1, 1, 2)
+    with pytest.raises(LayoutError, match="expert_parallel_size"):  # a dense model has no experts to split
+        check_split(LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 0})), 1, 1, 1, 2)
 
 
 def test_mixtral_forward_matches_hf():
@@ -184,3 +190,23 @@ def test_mixtral_loads_from_checkpoint_files(tmp_path):
     load_hf_state_dict(from_files, source, from_files.shape, TP1)
     from_module = ours_from(hf)
     assert max_diff(dict(from_files.state_dict()), dict(from_module.state_dict())) == 0
+
+
+def test_expert_parallel_config_refusals():
+    base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
+            "hybrid3d": {"expert_parallel_size": 2}}
+    assert parse_config(base, 2).ep == 2
+    cases = [
+        (dict(base, hybrid3d={"expert_parallel_size": 4}), 2, "must divide"),
+        (dict(base, zero_optimization={"stage": 0}), 2, "zero_optimization.stage"),
+        (dict(base, hybrid3d={"expert_parallel_size": 2, "context_parallel_size": 2}), 4, "context_parallel_size"),
+        (dict(base, hybrid3d={"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}), 4,
+         "sequence_parallel"),
+        (dict(base, bf16={"enabled": True}), 2, "bf16"),
+        (dict(base, hybrid3d={"expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev"},
+              train_micro_batch_size_per_gpu=1), 4, "pipeline_schedule"),
+    ]
+    for raw, world, key in cases:
+        with pytest.raises(ConfigError, match="expert_parallel_size") as error:
+            parse_config(raw, world)
+        assert key in str(error.value) and "\n" not in str(error.value)

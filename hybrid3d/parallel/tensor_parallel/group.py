@@ -50,3 +50,21 @@ class ContextParallelGroup(_RankGroup):
     and exchange attention heads for sequence positions around the attention core."""
 
     KIND: ClassVar[str] = "context-parallel"
+
+
+@dataclass(frozen=True)
+class ExpertParallelGroup(_RankGroup):
+    """The expert-parallel group (GShard, Lepikhin et al. 2021; DeepSpeed-MoE, Rajbhandari et al. 2022): the
+    e data-parallel ranks that each hold E/e whole experts and exchange tokens with one another by all-to-all.
+    EP rank r holds experts [r·E/e, (r+1)·E/e). `name` is DeepSpeed's group name (`ep_size_<e>`), which the
+    expert parameters carry so that the engine reduces their gradients over the expert-data-parallel group."""
+
+    name: str = ""
+    KIND: ClassVar[str] = "expert-parallel"
+
+    def local_experts(self, num_experts: int) -> range:
+        """The global indices of the experts this rank holds."""
+        if num_experts % self.size:
+            raise ValueError(f"{num_experts} experts cannot be split over an expert-parallel group of {self.size}")
+        per_rank = num_experts // self.size
+        return range(self.rank * per_rank, (self.rank + 1) * per_rank)

@@ -1,0 +1,43 @@
+"""The expert weights of an expert-parallel run in a checkpoint.
+
+DeepSpeed 0.19.8 writes per-expert files (`layer_<l>_expert_<e>_mp_rank_XX_model_states.pt`) only for its own
+MoE layer, found by class and by its parameter names (`deepspeed_moe.experts.deepspeed_experts.<e>`); for any
+other model it writes the module states of data-parallel rank 0 alone (`runtime/engine.py`
+`_save_moe_checkpoint`), which hold only that rank's experts. So, next to DeepSpeed's files, the ranks of
+expert-data-parallel rank 0 (data rank < e) each write their experts, under their global names, to
+`experts_ep_rank_<r>_mp_rank_<m>_model_states.pt`; loading takes DeepSpeed's module states without strictness
+(they lack the other ranks' experts) and then this rank's expert file, every expert tensor checked by name.
+The optimizer states need nothing extra: ZeRO's per-rank files hold each rank's partitions of every parameter
+group, the expert groups (partitioned over expert data parallelism) included.
+"""
+
+from pathlib import Path
+
+import torch
+
+from hybrid3d.errors import CheckpointError
+
+EXPERT_PARAM = ".mlp.experts."  # hybrid3d's expert parameter names: `<i>.mlp.experts.<e>.<proj>.weight`
+
+
+def expert_file(tag_dir, ep_rank: int, mp_rank: int) -> Path:
+    return Path(tag_dir) / f"experts_ep_rank_{ep_rank:02d}_mp_rank_{mp_rank:02d}_model_states.pt"
+
+
+def save_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> None:
+    state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
+    torch.save(state, expert_file(tag_dir, ep_rank, mp_rank))
+
+
+def load_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> None:
+    path = expert_file(tag_dir, ep_rank, mp_rank)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: the expert weights of expert-parallel rank {ep_rank} are missing")
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    params = {n: p for n, p in module.named_parameters() if EXPERT_PARAM in n}
+    if set(state) != set(params):
+        other = sorted(set(state) ^ set(params))[0]
+        raise CheckpointError(f"{path}: holds other experts than this rank's ({other})")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            params[name].copy_(tensor)

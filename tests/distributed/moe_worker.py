@@ -1,0 +1,138 @@
+"""A tiny Mixtral, its Hugging Face reference run, and the rank side of the MoE training tests.
+
+The reference trains `MixtralForCausalLM` (transformers' eager expert loop) with torch AdamW on the same
+micro-batches hybrid3d's ranks see: the load-balancing loss is not additive over tokens (it multiplies two
+means over the batch), so the reference takes each micro-batch's loss, CE + coef · aux, on that micro-batch
+alone, as every rank does, and averages the micro-batches' gradients as DeepSpeed does over GAS and DP.
+"""
+
+import gc
+import os
+
+import torch
+import torch.nn.functional as F
+from transformers import MixtralConfig, MixtralForCausalLM
+
+from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, STEPS, global_batch, micro_batches
+
+MIXTRAL = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
+               max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# As tests/unit/test_moe_model.py: Adam divides by sqrt(v) + eps, and a gradient element that cancels to ~1e-9
+# turns fp32 rounding into a visible step at eps 1e-8; eps 1e-6 and lr 1e-3 keep that far below the tolerance.
+ADAMW = dict(lr=1e-3, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1)
+CLIP = 1.0  # below the reference's gradient norms (the test checks that it clips)
+
+
+def make_mixtral(directory, seed: int = 0, **overrides) -> None:
+    """A random tiny Mixtral with non-trivial norms and decisive routing, written with `save_pretrained`."""
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL, **overrides}))
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):
+                p.normal_(0.0, 0.3)
+    model.save_pretrained(directory)
+
+
+def load_mixtral(directory, **overrides) -> MixtralForCausalLM:
+    return MixtralForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager",
+                                              **overrides).train()
+
+
+def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
+    """Losses, pre-clipping gradient norms and final weights (HF file names) of HF + torch AdamW."""
+    from hybrid3d.model.hf_weights import unfuse_hf_experts
+
+    model = load_mixtral(directory, **overrides)
+    params = list(model.parameters())
+    optimizer = torch.optim.AdamW(params, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
+                                  weight_decay=ADAMW["weight_decay"])
+    coef = model.config.router_aux_loss_coef
+    losses, norms = [], []
+    for step in range(steps):
+        ids, targets = global_batch(step)
+        micro = list(zip(ids.split(MICRO_BATCH), targets.split(MICRO_BATCH)))
+        step_losses = []
+        for mb_ids, mb_targets in micro:
+            out = model(mb_ids, output_router_logits=True)
+            loss = F.cross_entropy(out.logits.flatten(0, 1), mb_targets.flatten()) + coef * out.aux_loss
+            (loss / len(micro)).backward()
+            step_losses.append(loss.item())
+        norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(sum(step_losses) / len(step_losses))
+    weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(model.state_dict()).items()}
+    return {"losses": losses, "norms": norms, "weights": weights}
+
+
+def ds_config(tp: int, pp: int, ep: int, zero: int) -> dict:
+    return {
+        "train_batch_size": GLOBAL_BATCH,
+        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+        "gradient_clipping": CLIP,
+        "zero_optimization": {"stage": zero},
+        "steps_per_print": 10**6,
+        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep},
+    }
+
+
+def run_one(run: dict, model_dir: str) -> dict:
+    import deepspeed.comm as dist
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.model.hf_weights import gather_hf_state_dict
+    from hybrid3d.model.moe import Experts
+    from hybrid3d.training.trainer import build_trainer
+
+    hf = load_mixtral(model_dir)
+    shape = LlamaShape.from_hf(hf.config)
+    hf_state = hf.state_dict()
+
+    def build():
+        return build_trainer(ds_config(run["tp"], run["pp"], run["ep"], run["zero"]), shape, hf_state_dict=hf_state)
+
+    trainer = build()
+    dp_rank, dp = trainer.groups.data_shard()
+    losses, norms = [], []
+    for step in range(STEPS):
+        if step == run.get("resume_at"):  # save, then continue in a fresh trainer from the checkpoint
+            save_dir = os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}")
+            trainer.save(save_dir, tag="mid")
+            del trainer
+            gc.collect()
+            trainer = build()  # starts from the HF weights and a fresh optimizer: all must come from the files
+            trainer.load(save_dir, tag="mid")
+            assert trainer.global_steps == step
+        losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
+        norms.append(float(trainer.engine.get_global_grad_norm()))
+    del hf, hf_state
+    engine = trainer.engine
+    report = {
+        "losses": losses,
+        "norms": norms,
+        "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
+            trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
+        "experts": sorted({tuple(int(e) for e, _ in m.named_children()) for m in trainer.module.modules()
+                           if isinstance(m, Experts)}),
+        "has_moe_layers": engine.has_moe_layers,
+        "optimizer": type(engine.optimizer).__name__,
+        # the expert parameters of each ZeRO group DeepSpeed partitions over expert data parallelism
+        "moe_groups": [len(group) for group, moe in zip(engine.optimizer.bit16_groups,
+                                                        getattr(engine.optimizer, "is_moe_param_group", [])) if moe]
+        if run["zero"] else None,
+        "stage": trainer.groups.stage_id,
+        "ep_rank": trainer.groups.expert_parallel().rank,
+    }
+    dist.barrier()
+    del trainer, engine
+    gc.collect()
+    return report
+
+
+def moe_runs(rank, world_size, runs, model_dir):
+    return {run["name"]: run_one(run, model_dir) for run in runs}
