@@ -17,7 +17,7 @@ rank holds an f/t slice of every expert; the router (E x h) is replicated, so al
 every token alike. Expert parallelism (whole experts per rank) is not part of this plan yet.
 """
 
-from hybrid3d.errors import LayoutError
+from hybrid3d.errors import ConfigError, LayoutError
 from hybrid3d.model.config import LlamaShape
 
 VOCAB, COLUMN, ROW, REPLICATED = "vocab", "column", "row", "replicated"
@@ -119,7 +119,7 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
 
 
 # Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
-TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2)}
+TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)}
 
 
 def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
@@ -135,3 +135,22 @@ def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
         raise LayoutError(f"num_local_experts ({shape.num_experts}): tensor_parallel_size {t}, pipeline_parallel_size "
                           f"{pp}, context_parallel_size {cp}, expert_parallel_size {ep} is not a tested "
                           f"mixture-of-experts layout (tested (t, pp, ep): {sorted(TESTED_MOE_LAYOUTS)}, cp 1)")
+
+
+def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
+                      pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True) -> None:
+    """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
+    travel between stages as the second tensor of the activation tuple; DeepSpeed's PipelineEngine runs backward
+    once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant checkpointing
+    cannot do (its saved tensors are freed by the first), so a pipeline checkpoints MoE blocks non-reentrantly.
+    Sequence parallelism, the other schedules and `pipeline_zero2` are untested with experts."""
+    if not shape.is_moe:
+        return
+    if sequence_parallel:
+        raise ConfigError("hybrid3d.sequence_parallel cannot be combined with a mixture-of-experts model yet")
+    if pp > 1 and (schedule != "1f1b" or pipeline_zero2):
+        raise ConfigError("a mixture-of-experts model runs with hybrid3d.pipeline_schedule '1f1b' and without "
+                          "hybrid3d.pipeline_zero2 only for now")
+    if pp > 1 and checkpoint_interval and use_reentrant:
+        raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
+                          "pipeline.activation_checkpoint_interval (the activation tuple is backpropagated per tensor)")

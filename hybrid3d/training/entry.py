@@ -23,7 +23,7 @@ from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.training.model_source import resolve_model
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.model.tp_plan import check_split
+from hybrid3d.model.tp_plan import check_moe_options, check_split
 
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "tie_word_embeddings")
@@ -74,6 +74,9 @@ def prepare(args, overrides, world_size: int) -> Job:
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
     layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp, config.ep)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
+    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
+                      pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
+                      use_reentrant=config.use_reentrant)
     if layout.ep > 1 and layout.pp > 1:  # the job always saves at the end (training/trainer.py `save`)
         raise ConfigError("hybrid3d.expert_parallel_size > 1 with pipeline_parallel_size > 1 cannot write "
                           "checkpoints yet, so the training job refuses it")

@@ -41,7 +41,7 @@ from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
-from hybrid3d.model.tp_plan import check_split
+from hybrid3d.model.tp_plan import check_moe_options, check_split
 
 Batch = tuple  # (input_ids (b, s), targets (b, s))
 
@@ -204,10 +204,15 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
     layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp, config.ep)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
+    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=config.hybrid.pipeline_schedule,
+                      pipeline_zero2=config.hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
+                      use_reentrant=config.use_reentrant)
     check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule, config.hybrid.virtual_pipeline_size)
     groups = build_groups(layout)
     tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
-    if shape.is_moe and layout.pp > 1:  # DeepSpeed partitions only outputs[0] of the (hidden, router_stats) tuple
+    if shape.is_moe and layout.pp > 1:
+        # DeepSpeed's pipe/grad partitioning (on by default with TP) splits only outputs[0] of the (hidden,
+        # router_stats) tuple; with it on, TP2 x PP2 stops on an AssertionError in PipelineEngine (measured).
         turn_off_pipe_partitioning(config.ds_config, "a mixture-of-experts model (router statistics between stages)")
     seed = config.hybrid.seed
     seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ

@@ -69,8 +69,8 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
     return {"losses": losses, "norms": norms, "weights": weights}
 
 
-def ds_config(tp: int, pp: int, ep: int, zero: int) -> dict:
-    return {
+def ds_config(tp: int, pp: int, ep: int, zero: int, **extra) -> dict:
+    return {**extra,
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
@@ -94,7 +94,8 @@ def run_one(run: dict, model_dir: str) -> dict:
     hf_state = hf.state_dict()
 
     def build():
-        return build_trainer(ds_config(run["tp"], run["pp"], run["ep"], run["zero"]), shape, hf_state_dict=hf_state)
+        config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], **run.get("extra", {}))
+        return build_trainer(config, shape, hf_state_dict=hf_state)
 
     trainer = build()
     dp_rank, dp = trainer.groups.data_shard()
@@ -126,6 +127,7 @@ def run_one(run: dict, model_dir: str) -> dict:
                                                         getattr(engine.optimizer, "is_moe_param_group", [])) if moe]
         if run["zero"] else None,
         "stage": trainer.groups.stage_id,
+        "pipe_partitioned": trainer.config.ds_config.get("pipeline", {}).get("pipe_partitioned"),
         "ep_rank": trainer.groups.expert_parallel().rank,
     }
     dist.barrier()

@@ -19,7 +19,7 @@ from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, loa
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import gather_hf_state_dict, unfuse_hf_experts
 from hybrid3d.model.moe import load_balancing_loss
-from hybrid3d.model.tp_plan import check_split
+from hybrid3d.model.tp_plan import check_moe_options, check_split
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
@@ -99,7 +99,7 @@ def test_mixtral_config_refusals(field, overrides):
 def test_moe_refuses_untested_layouts():
     shape = LlamaShape.from_hf(MixtralConfig(**TINY))
     check_split(shape, 1, 1, 1)
-    for t, pp, cp, ep in ((2, 2, 1, 1), (1, 1, 2, 1), (2, 2, 1, 2), (1, 1, 1, 4)):
+    for t, pp, cp, ep in ((4, 1, 1, 1), (1, 1, 2, 1), (2, 2, 1, 2), (1, 1, 1, 4)):
         with pytest.raises(LayoutError, match="num_local_experts") as error:
             check_split(shape, t, pp, cp, ep)
         assert "\n" not in str(error.value)
@@ -210,3 +210,18 @@ def test_expert_parallel_config_refusals():
         with pytest.raises(ConfigError, match="expert_parallel_size") as error:
             parse_config(raw, world)
         assert key in str(error.value) and "\n" not in str(error.value)
+
+
+def test_moe_option_refusals():
+    shape = LlamaShape.from_hf(MixtralConfig(**TINY))
+    check_moe_options(shape, 2, checkpoint_interval=1, use_reentrant=False)
+    check_moe_options(shape, 1, checkpoint_interval=1)  # no pipeline: LlamaSequential backpropagates the tuple once
+    for pp, options, key in ((2, dict(checkpoint_interval=1), "use_reentrant"),
+                             (2, dict(schedule="dualpipev"), "pipeline_schedule"),
+                             (2, dict(pipeline_zero2=True), "pipeline_zero2"),
+                             (1, dict(sequence_parallel=True), "sequence_parallel")):
+        with pytest.raises(ConfigError, match=key) as error:
+            check_moe_options(shape, pp, **options)
+        assert "\n" not in str(error.value)
+    dense = LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 0}))
+    check_moe_options(dense, 2, checkpoint_interval=1, schedule="dualpipev", sequence_parallel=True)
