@@ -10,8 +10,8 @@ What DeepSpeed provides and hybrid3d uses as it is:
 - the optimizer parameter groups: `split_params_into_different_moe_groups_for_optimizer` puts the expert
   parameters in groups marked `moe`, which ZeRO-1/2 partition over the expert-data-parallel group
   (`stage_1_and_2.py` `_configure_moe_settings`);
-- gradient reduction: with `engine.has_moe_layers` the engine (`_reduce_expert_gradients`, ZeRO-0 path) and
-  ZeRO (`average_tensor`) sum expert gradients over the expert-data-parallel group and divide by the whole
+- gradient reduction: with `engine.has_moe_layers` ZeRO-1/2 (`average_tensor`; the engine's own ZeRO-0 path
+  `_reduce_expert_gradients` likewise) sum expert gradients over the expert-data-parallel group and divide by the whole
   data-parallel size, which is the data-parallel mean of the loss: each expert's local gradient already sums
   the contributions of the e ranks of its expert-parallel group, brought back by the combine's backward.
   ZeRO's gradient norm (`get_grad_norm_direct` over the data-parallel group, `_average_expert_grad_norms`)
@@ -23,7 +23,9 @@ Where it does not fit, and what is done instead:
   says why). `engine_sees_experts` makes the engine's name `MoE` match hybrid3d's class as well, for the
   duration of `deepspeed.initialize` only: everything else of its MoE set-up then runs as DeepSpeed wrote it.
   Outside that call (checkpoint save and load, which look for DeepSpeed's own `deepspeed_moe.experts` names)
-  the engine does not recognise the block; expert-parallel checkpoints are refused for now (training/trainer.py).
+  the engine does not recognise the block: hybrid3d writes the experts itself (checkpoint/experts.py), and
+  refuses expert-parallel checkpoints under a pipeline, where PipelineEngine's `load_module_state_dict` takes
+  a MoE model's whole checkpoint dict for its module state.
 - `_create_expert_data_and_model_parallel` skips creation when a group of that name exists, and DeepSpeed keeps
   the groups in module globals: a second layout in the same process (the tests run several per world) would
   get the first one's groups. `create_expert_groups` drops the stale entries first.

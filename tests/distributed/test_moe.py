@@ -37,6 +37,9 @@ RUN_DICTS = [dict(name=n, tp=t, pp=p, ep=e, zero=z, world=w) for n, t, p, e, z, 
 # every block checkpointed: the (hidden, router_stats) tuple goes through DeepSpeed's activation checkpointing
 RUN_DICTS.append(dict(name="ckpt-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
                       extra={"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": False}}))
+# DeepSpeed's reentrant checkpointing without a pipeline: the recomputed blocks run their all-to-alls again
+RUN_DICTS.append(dict(name="ckpt-EP2-DP2-Z1", tp=1, pp=1, ep=2, zero=1, world=2,
+                      extra={"pipeline": {"activation_checkpoint_interval": 1}}))
 # save after step 3, load into a fresh trainer (HF weights, new optimizer), train steps 4-5: still exact
 RUN_DICTS.append(dict(name="EP2-DP2-Z2-resume", tp=1, pp=1, ep=2, zero=2, world=2, resume_at=3))
 

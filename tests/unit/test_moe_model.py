@@ -225,3 +225,16 @@ def test_moe_option_refusals():
         assert "\n" not in str(error.value)
     dense = LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 0}))
     check_moe_options(dense, 2, checkpoint_interval=1, schedule="dualpipev", sequence_parallel=True)
+
+
+def test_checkpoint_records_expert_parallel_size(tmp_path):
+    """A checkpoint saved at another expert_parallel_size holds other experts per rank: it is not loaded natively."""
+    from hybrid3d.checkpoint.files import write_meta
+    from hybrid3d.checkpoint.resume import plan_resume
+
+    tag = tmp_path / "global_step3"
+    tag.mkdir()
+    write_meta(tag, {"layout": {"tp": 1, "pp": 1, "dp": 2, "cp": 1, "ep": 2, "schedule": "1f1b", "virtual": 1},
+                     "shape": {}, "module_only": False})
+    assert not plan_resume(str(tag), None, 1, 1, 2, {}, ep=2).universal
+    assert plan_resume(str(tag), None, 1, 1, 2, {}, ep=1).universal
