@@ -191,3 +191,34 @@ def test_context_parallel_run_resumes_at_another_layout(tmp_path):
     assert "through DeepSpeed's universal checkpoint" in result.stdout
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     assert math.isclose(eval_loss, metrics[-1]["eval_loss"], rel_tol=1e-5), (eval_loss, metrics[-1]["eval_loss"])
+
+
+def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_path):
+    """A tiny HF Mixtral folder (`model.hf_model` + `init_from_hf`) trains at DP2 x EP2 (each rank holds 2 of the 4
+    experts) through the launcher; its step-4 checkpoint (DeepSpeed's files plus each EP rank's expert file)
+    resumed continues with the same losses bit for bit (fp32)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+
+    torch.manual_seed(0)
+    model_dir = tmp_path / "mixtral"
+    MixtralForCausalLM(MixtralConfig(
+        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+        router_aux_loss_coef=0.02, sliding_window=None)).save_pretrained(model_dir)
+    config = demo_config(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=2,
+                         model={"hf_model": str(model_dir), "init_from_hf": True})
+    trained = launch(2, config)
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "EP2" in trained.stdout
+    metrics = read_metrics(tmp_path / "run")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert list((checkpoints / "global_step4").glob("experts_ep_rank_*"))
+
+    resumed_dir = tmp_path / "resumed" / "checkpoints"
+    resumed_dir.mkdir(parents=True)
+    for name in ("global_step4", "hf"):
+        shutil.copytree(checkpoints / name, resumed_dir / name)
+    (resumed_dir / "latest").write_text("global_step4")
+    resumed = launch(2, config, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.load", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
