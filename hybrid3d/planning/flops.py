@@ -3,7 +3,8 @@
     FLOPs per token = 6N + 12·L·h·s        (PaLM, Chowdhery et al. 2022, App. B; Kaplan et al. 2020, §2.1)
 
 N is the number of parameters that take part in matrix multiplies: every decoder-block weight plus the
-LM head (V·h, also when tied to the embedding); the embedding lookup and the RMSNorm weights are not
+LM head (V·h, also when tied to the embedding); in a mixture-of-experts block only the k experts a token is
+routed to, and the router (E·h), count: Mixtral 8x7B's "12.9B active of 46.7B" (Jiang et al. 2024); the embedding lookup and the RMSNorm weights are not
 matmuls and are left out. 6N is forward (2N) plus backward (4N); 12·L·h·s is attention's QKᵀ and
 attention-times-V (2·2·s·h per token per layer forward, x3 for training), counted over the full s x s
 score matrix as PaLM does (a causal kernel skips about half of it). Activation recomputation is
@@ -34,10 +35,13 @@ PEAK_BF16_TFLOPS = {
 
 
 def matmul_parameters(shape: LlamaShape) -> int:
-    """N: parameters used in matrix multiplies (decoder-block weights and the LM head)."""
+    """N: parameters used in matrix multiplies per token (decoder-block weights, only the k routed experts of a
+    mixture-of-experts block, and the LM head)."""
     h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
     attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o and k, v
     mlp = 3 * h * f  # gate, up, down
+    if shape.is_moe:  # each token passes through k of the E experts, after the router's (h -> E) matmul
+        mlp = shape.experts_per_token * mlp + shape.num_experts * h
     return shape.num_layers * (attention + mlp) + shape.vocab_size * h
 
 

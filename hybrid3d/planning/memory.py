@@ -90,15 +90,20 @@ def zero_paper_bytes(psi: float, nd: int, stage: int, k: int = 12) -> float:
 # ---------------------------------------------------------------- parameters per rank
 
 
-def layer_parameter_numels(shape: LlamaShape, t: int) -> list[tuple[str, list[int]]]:
+def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple[str, list[int]]]:
     """(layer type, tensor sizes on one TP rank in registration order) for every pipeline layer spec.
 
     Mirrors `hybrid3d.model.layers`: [Embedding, DecoderBlock x L, FinalNorm, LMHead (untied)] and,
-    when tied, the head is a second copy of the embedding (a TiedLayerSpec on the last stage)."""
+    when tied, the head is a second copy of the embedding (a TiedLayerSpec on the last stage). A
+    mixture-of-experts block (`model/moe.py`) holds the replicated router (E, h) and, with expert
+    parallelism e, E/e experts, each split over TP like the dense MLP."""
     h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
     vocab_rows = padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) // t
     q = shape.num_heads * d // t
-    block = [h, q * h, kv_rows_per_rank(shape, t) * h, kv_rows_per_rank(shape, t) * h, h * q, h, f // t * h, f // t * h, h * (f // t)]
+    mlp = [f // t * h, f // t * h, h * (f // t)]  # gate, up, down
+    if shape.is_moe:
+        mlp = [shape.num_experts * h] + mlp * (shape.num_experts // ep)
+    block = [h, q * h, kv_rows_per_rank(shape, t) * h, kv_rows_per_rank(shape, t) * h, h * q, h] + mlp
     specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block)] * shape.num_layers + [("FinalNorm", [h])]
     specs.append(("TiedEmbedding" if shape.tie_word_embeddings else "LMHead", [vocab_rows * h]))
     return specs
