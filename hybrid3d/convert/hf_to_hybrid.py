@@ -57,8 +57,6 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
     start = time.perf_counter()
     source = HFSource.open(hf_dir, allow_pickle)
     shape = LlamaShape.from_hf(source.config, vocab_pad_multiple=vocab_pad_multiple)
-    if shape.is_moe:  # the meta-model layout check (model_layout.py) knows only LlamaForCausalLM so far
-        raise ConversionError(f"{hf_dir}: mixture-of-experts models (num_local_experts) are not converted yet")
     layout = ParallelLayout(tp, pp, 1)
     check_split(shape, layout.tp, layout.pp)
     specs = param_specs(shape, tp)

@@ -54,8 +54,6 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     checkpoint = HybridCheckpoint.open(checkpoint_dir, tag, allow_pickle)
     config, side_dir = resolve_hf_config(checkpoint, hf_config_dir)
     shape = LlamaShape.from_hf(config)
-    if shape.is_moe:  # the layout check below (model_layout.py) knows only LlamaForCausalLM so far
-        raise ConversionError(f"{checkpoint_dir}: mixture-of-experts models (num_local_experts) are not converted yet")
     tp = checkpoint.tp
     check_split(shape, tp, checkpoint.pp)
     specs = param_specs(shape, tp)
@@ -124,7 +122,7 @@ def _merge(spec, shards, shape: LlamaShape, full_shape: torch.Size) -> torch.Ten
 def _write_configs(config, dtype: torch.dtype, side_dir: Optional[Path], out: Path) -> None:
     """config.json for the exported dtype; generation config and tokenizer files copied when
     known, else a generation config derived from the model config."""
-    config.architectures = ["LlamaForCausalLM"]
+    config.architectures = ["MixtralForCausalLM" if config.model_type == "mixtral" else "LlamaForCausalLM"]
     config.dtype = dtype
     copied = copy_metadata_files(side_dir, out, skip={"config.json"}) if side_dir is not None else []
     config.save_pretrained(out)

@@ -8,10 +8,11 @@ writes, each TP shard's shape, and the full tensor shapes an HF checkpoint must 
 from collections import OrderedDict
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import AutoModelForCausalLM
 
 from hybrid3d.convert.ds_files import TIED_PREFIX
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import unfuse_hf_experts
 
 from hybrid3d.model.llama import LlamaSequential
 from hybrid3d.model.pipe import stage_bounds
@@ -29,10 +30,13 @@ def meta_model(shape: LlamaShape, tp_rank: int, tp_size: int) -> LlamaSequential
 
 
 def hf_parameter_shapes(config) -> dict[str, torch.Size]:
-    """Every tensor `LlamaForCausalLM.from_pretrained` expects, without tied duplicates, in order."""
+    """Every tensor the HF model class of `config` (LlamaForCausalLM, MixtralForCausalLM) expects, without tied
+    duplicates, in order, under its checkpoint-file names (a transformers >= 5 Mixtral fuses its experts in
+    memory; its files keep one tensor per expert, `hf_weights.unfuse_hf_experts`)."""
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
-    return OrderedDict((name, p.shape) for name, p in model.named_parameters())
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = OrderedDict((name, p) for name, p in model.named_parameters())
+    return OrderedDict((name, p.shape) for name, p in unfuse_hf_experts(parameters).items())
 
 
 def pipeline_stages(shape: LlamaShape, pp: int) -> list[range]:
