@@ -76,16 +76,13 @@ def test_mixtral_round_trip_is_bit_exact(tmp_path):
     """A tiny HF Mixtral (GQA, 4 experts, top-2): HF -> hybrid -> HF gives its files back bit for bit at each tested
     MoE layout (experts split over TP, blocks over stages), under the per-expert names of HF's checkpoint files,
     and loads as a MixtralForCausalLM; an untested layout is refused with one line."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from transformers import MixtralForCausalLM
 
     from hybrid3d.errors import LayoutError
+    from tests.distributed.moe_worker import make_mixtral
 
-    torch.manual_seed(0)
     source = tmp_path / "mixtral"
-    MixtralForCausalLM(MixtralConfig(
-        vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-        router_aux_loss_coef=0.02, sliding_window=None)).save_pretrained(source)
+    make_mixtral(source)
     original = read_safetensors_folder(source)
     assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in original
     for tp, pp, dtype in [(1, 1, None), (2, 2, None), (2, 1, torch.bfloat16)]:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,14 @@ def layer_states(tag_dir: Path) -> dict:
 
     return {p.name: torch.load(p, map_location="cpu", weights_only=True)
             for p in sorted(tag_dir.glob("layer_*-model_states.pt"))}
+
+
+def resume_copy(num_gpus: int, config: Path, run_dir: Path, tag: str, out_dir: Path) -> subprocess.CompletedProcess:
+    """Copy checkpoint `tag` (and the run's `hf` folder) of `run_dir` into `out_dir`/checkpoints as its `latest`,
+    and run the job again from it with `out_dir` as the output folder."""
+    target = out_dir / "checkpoints"
+    target.mkdir(parents=True)
+    for name in (tag, "hf"):
+        shutil.copytree(run_dir / "checkpoints" / name, target / name)
+    (target / "latest").write_text(tag)
+    return launch(num_gpus, config, "--train.output_dir", str(out_dir), "--checkpoint.load", "latest")

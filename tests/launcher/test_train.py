@@ -8,7 +8,6 @@ the uninterrupted run's checkpoint at other layouts through the universal checkp
 import json
 import math
 import re
-import shutil
 import signal
 import subprocess
 import time
@@ -18,7 +17,8 @@ import psutil
 import pytest
 import torch
 
-from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
+from tests.launcher.harness import (STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states,
+                                    read_metrics, resume_copy)
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
 
@@ -122,12 +122,7 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
         assert all(math.isclose(a, b, rel_tol=1e-5) for a, b in zip(ours, theirs) if a is not None), (ours, theirs)
 
     checkpoints = tmp_path / "run" / "checkpoints"
-    resumed_dir = tmp_path / "resumed" / "checkpoints"
-    resumed_dir.mkdir(parents=True)
-    for name in ("global_step4", "hf"):
-        shutil.copytree(checkpoints / name, resumed_dir / name)
-    (resumed_dir / "latest").write_text("global_step4")
-    resumed = launch(4, config, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.load", "latest")
+    resumed = resume_copy(4, config, tmp_path / "run", "global_step4", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" not in resumed.stdout
     assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
@@ -197,14 +192,10 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     """A tiny HF Mixtral folder (`model.hf_model` + `init_from_hf`) trains at DP2 x EP2 (each rank holds 2 of the 4
     experts) through the launcher; its step-4 checkpoint (DeepSpeed's files plus each EP rank's expert file)
     resumed continues with the same losses bit for bit (fp32)."""
-    from transformers import MixtralConfig, MixtralForCausalLM
+    from tests.distributed.moe_worker import make_mixtral
 
-    torch.manual_seed(0)
     model_dir = tmp_path / "mixtral"
-    MixtralForCausalLM(MixtralConfig(
-        vocab_size=4096, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
-        router_aux_loss_coef=0.02, sliding_window=None)).save_pretrained(model_dir)
+    make_mixtral(model_dir, vocab_size=4096)  # the built-in tokenizer's vocabulary
     config = demo_config(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=2,
                          model={"hf_model": str(model_dir), "init_from_hf": True})
     trained = launch(2, config)
@@ -214,11 +205,6 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     checkpoints = tmp_path / "run" / "checkpoints"
     assert list((checkpoints / "global_step4").glob("experts_ep_rank_*"))
 
-    resumed_dir = tmp_path / "resumed" / "checkpoints"
-    resumed_dir.mkdir(parents=True)
-    for name in ("global_step4", "hf"):
-        shutil.copytree(checkpoints / name, resumed_dir / name)
-    (resumed_dir / "latest").write_text("global_step4")
-    resumed = launch(2, config, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.load", "latest")
+    resumed = resume_copy(2, config, tmp_path / "run", "global_step4", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
