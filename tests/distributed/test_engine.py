@@ -10,7 +10,7 @@ import torch
 
 from hybrid3d.config.run_config import parse_config
 from hybrid3d.errors import ConfigError
-from tests.distributed import run_world
+from tests.distributed import run_worlds_by_size
 from tests.distributed.engine_runs import MICRO_BATCH, OPTIM, SEQ, STEPS, ds_config, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
@@ -143,13 +143,7 @@ def train_worlds(root, all_runs) -> dict:
     refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
     for case, d in model_dirs.items():
         refs[case]["initial"] = {n: p.detach().clone() for n, p in load_hf(d).named_parameters()}
-    by_rank = {}
-    for world in sorted({r["world"] for r in all_runs}):
-        runs = [r for r in all_runs if r["world"] == world]
-        ranks = run_world(train_runs, world, str(root / f"world{world}"), runs, model_dirs)
-        for run in runs:
-            by_rank[run["name"]] = [rank[run["name"]] for rank in ranks]
-    return {"ref": refs, "runs": by_rank}
+    return {"ref": refs, "runs": run_worlds_by_size(train_runs, all_runs, root, model_dirs)}
 
 
 @pytest.fixture(scope="module")
@@ -192,18 +186,24 @@ def test_layout_matches_hf_over_five_steps(results, run):
 SEQUENCE_TOL = 1e-5  # measured: below 7e-6 for every run (fp32, 5 steps)
 
 
+def assert_losses_and_weights_match(ref, reports):
+    """Every rank's five losses and the weights merged over ranks within SEQUENCE_TOL of the HF reference run."""
+    for report in reports:
+        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
+    weights = merged_weights(reports)
+    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
+    assert not bad, bad
+
+
 @pytest.mark.parametrize("run", sequence_runs(), ids=lambda r: r["name"])
 def test_sequence_and_context_parallel_match_hf_over_five_steps(results, run):
     ref = results["ref"][run["case"]]
     reports = results["runs"][run["name"]]
     for report in reports:
-        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
         # the blocks really run on sequence shards: (b, s/c, h), and (b, s/(c·t), h) with SP
         split = run["cp"] * (run["tp"] if run["hybrid"].get("sequence_parallel") else 1)
         assert report["block_inputs"] == [(MICRO_BATCH, SEQ // split, 32)]
-    weights = merged_weights(reports)
-    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
-    assert not bad, bad
+    assert_losses_and_weights_match(ref, reports)
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
@@ -213,10 +213,7 @@ def test_dualpipev_matches_hf_over_five_steps(results, run):
     reports = results["runs"][run["name"]]
     for report in reports:
         assert report["engine"] == "DualPipeVEngine"
-        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
-    weights = merged_weights(reports)
-    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
-    assert not bad, bad
+    assert_losses_and_weights_match(ref, reports)
     # each rank holds stages r and 2p-1-r: the 4 blocks spread over 2p stages
     assert {r["blocks_on_rank"] for r in reports} == {4 // run["pp"]}
 
@@ -227,7 +224,6 @@ def test_interleaved_matches_hf_over_five_steps(results, run):
     reports = results["runs"][run["name"]]
     for report in reports:
         assert report["engine"] == "InterleavedPipelineEngine"
-        assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
         # Megatron's placement: rank 0 holds stages 0 and 2 (embedding + block 0, block 2), rank 1 stages 1 and
         # 3 (block 1, block 3 + norm + head); layer indices are global, the tied head is spec 6
         assert report["stage_layers"] == ([(0, 1), (3, 3)] if report["stage"] == 0 else [(2, 2), (4, 6)])
@@ -239,9 +235,7 @@ def test_interleaved_matches_hf_over_five_steps(results, run):
         assert set(passes) == {(kind, chunk, chunk * 4 + i) for kind in ("ForwardPass", "BackwardPass")
                                for chunk in (0, 1) for i in range(4)} and set(passes.values()) == {STEPS}
         assert report["saved_peak"] > 0 and report["saved_after_step"] == 0
-    weights = merged_weights(reports)
-    bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
-    assert not bad, bad
+    assert_losses_and_weights_match(ref, reports)
 
 
 def test_json_optimizer_default_adamw_matches_hf(results):

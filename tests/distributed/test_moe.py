@@ -8,7 +8,7 @@ One spawned world per world size (2 and 4 ranks) runs all of that size's MoE lay
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.distributed import run_worlds_by_size
 from tests.distributed.moe_worker import CLIP, MIXTRAL, make_mixtral, moe_runs, reference_run
 from tests.distributed.engine_runs import STEPS
 
@@ -50,13 +50,7 @@ def results(tmp_path_factory):
     model_dir = str(root / "mixtral")
     make_mixtral(model_dir)
     refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0)}
-    by_name = {}
-    for world in sorted({r["world"] for r in RUN_DICTS}):
-        runs = [r for r in RUN_DICTS if r["world"] == world]
-        ranks = run_world(moe_runs, world, str(root / f"world{world}"), runs, model_dir)
-        for run in runs:
-            by_name[run["name"]] = [rank[run["name"]] for rank in ranks]
-    return {"ref": refs, "runs": by_name}
+    return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir)}
 
 
 def merged(reports) -> dict:
