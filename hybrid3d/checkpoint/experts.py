@@ -24,6 +24,11 @@ def expert_file(tag_dir, ep_rank: int, mp_rank: int) -> Path:
     return Path(tag_dir) / f"experts_ep_rank_{ep_rank:02d}_mp_rank_{mp_rank:02d}_model_states.pt"
 
 
+def expert_files(tag_dir, mp_rank: int) -> list[Path]:
+    """Every expert-parallel rank's expert file of TP rank `mp_rank`, in EP-rank order (none without EP)."""
+    return sorted(Path(tag_dir).glob(f"experts_ep_rank_*_mp_rank_{mp_rank:02d}_model_states.pt"))
+
+
 def save_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> None:
     state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
     torch.save(state, expert_file(tag_dir, ep_rank, mp_rank))

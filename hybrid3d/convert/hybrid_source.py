@@ -1,7 +1,8 @@
 """A hybrid3d DeepSpeed checkpoint (converted, or written by training), read one layer at a time.
 
 Only module weights are read: the `layer_XX-model_YY` files with a pipeline, the `module` of
-the `mp_rank_XX` files without one; optimizer files are ignored. Files are memory-mapped and
+the `mp_rank_XX` files without one, with an expert-parallel run's `experts_ep_rank_*` files merged
+in (checkpoint/experts.py); optimizer files are ignored. Files are memory-mapped and
 reopened per layer, so the pages of finished layers are released.
 """
 
@@ -13,6 +14,7 @@ import numpy as np
 import torch
 from deepspeed.checkpoint import constants as ds
 
+from hybrid3d.checkpoint.experts import expert_files
 from hybrid3d.convert import ds_files
 from hybrid3d.convert.metadata import SECTION
 from hybrid3d.errors import ConversionError
@@ -88,6 +90,8 @@ class HybridCheckpoint:
             module = load_torch_file(path, self.allow_pickle).get("module")
             if not isinstance(module, dict):
                 raise ConversionError(f"{path}: has no module weights (a pp=1 checkpoint keeps them there)")
+            for expert_path in expert_files(self.tag_dir, rank):  # with EP the module holds EP rank 0's experts only
+                module = {**module, **load_torch_file(expert_path, self.allow_pickle)}
             layer = {}
             for name, tensor in module.items():
                 layer_index, key = ds_files.split_local_name(name)
@@ -95,6 +99,11 @@ class HybridCheckpoint:
                     layer[key] = tensor
             out.append((path, layer))
         return out
+
+    @property
+    def expert_parallel_size(self) -> int:
+        """e of an expert-parallel checkpoint (one expert file per EP rank and TP rank), 1 otherwise."""
+        return max(1, len(expert_files(self.tag_dir, 0)))
 
     def stored_dtype(self) -> torch.dtype:
         """The dtype of the embedding as stored (training writes bf16 or fp32 weights)."""

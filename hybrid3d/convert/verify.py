@@ -4,7 +4,8 @@ what its Hugging Face original computes?
 Run it under the launcher (`deepspeed --num_gpus N --module hybrid3d.verify ...`) with N a multiple of
 the checkpoint's tp * pp (the rest is data parallel). It loads the checkpoint into the TP model
 at the layout it was saved in, runs one random token batch through it and through HF's
-`LlamaForCausalLM` (fp32), and prints the largest logit difference (absolute, and relative to
+`LlamaForCausalLM` / `MixtralForCausalLM` (fp32; a Mixtral's loss includes router_aux_loss_coef times
+its load-balancing loss on both sides), and prints the largest logit difference (absolute, and relative to
 the largest HF logit), the loss difference and the top-1 agreement. Exit codes: 0 within
 tolerance, 1 outside it, 2 for a user error.
 """
@@ -61,12 +62,18 @@ def _verify(args) -> int:
     if not dist.is_initialized():
         deepspeed.init_distributed()
     layout = ParallelLayout.for_world(dist.get_world_size(), checkpoint.tp, checkpoint.pp)
+    ep = checkpoint.expert_parallel_size
     ds_config = {
         "train_micro_batch_size_per_gpu": args.batch_size,
         "gradient_accumulation_steps": 1,
         "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp, "vocab_pad_multiple": pad},
+        "hybrid3d": {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp, "vocab_pad_multiple": pad,
+                     "expert_parallel_size": ep},
     }
+    if ep > 1:  # expert parallelism runs under ZeRO-1/2 only (config/ds_checks.py), which needs an optimizer;
+        # it is never stepped (its fp32 master copy is the memory cost of checking an EP checkpoint at its layout)
+        ds_config["zero_optimization"] = {"stage": 1}
+        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
     if args.dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
     trainer = build_trainer(ds_config, shape)
@@ -82,8 +89,11 @@ def _verify(args) -> int:
     if dist.get_rank() == reporter:
         hf = _hf_model(args.hf_model)
         with torch.no_grad():
-            ref = hf(ids).logits.float()  # (b, s, V)
-        ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
+            out = hf(ids, output_router_logits=True) if shape.is_moe else hf(ids)
+            ref = out.logits.float()  # (b, s, V)
+            ref_loss = F.cross_entropy(ref.flatten(0, 1), targets.flatten())
+            if shape.is_moe:  # the hybrid loss includes the load-balancing term, as HF's with router logits does
+                ref_loss = ref_loss + shape.router_aux_loss_coef * out.aux_loss
         passed = report(logits.float(), loss, ref, ref_loss, layout, args)
     return 0 if broadcast_verdict(passed, reporter) else 1
 
@@ -106,6 +116,7 @@ def hybrid_logits_and_loss(trainer, ids, targets):
     import torch
 
     from hybrid3d.model.llama import gather_vocab_logits
+    from hybrid3d.model.moe import split_router_stats
 
     tp = trainer.groups.tensor_parallel()
     vocab = trainer.shape.vocab_size
@@ -117,6 +128,7 @@ def hybrid_logits_and_loss(trainer, ids, targets):
         with torch.no_grad():
             local = trainer.module(ids.to(trainer.engine.device))  # (b, s, V_padded/t)
             loss = trainer.module.loss_fn(local, targets.to(trainer.engine.device))
+    local, _ = split_router_stats(local)  # a MoE model's outputs are (logits, router_stats)
     with torch.no_grad():
         logits = gather_vocab_logits(local, tp, vocab).cpu()  # (b, s, V)
     return (logits, float(loss)) if tp.rank == 0 else (None, None)
@@ -140,10 +152,11 @@ def report(logits, loss: float, ref, ref_loss, layout, args) -> bool:
 
 
 def _hf_model(directory):
+    """The HF class the folder's config names (LlamaForCausalLM or MixtralForCausalLM), fp32."""
     import torch
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return LlamaForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32).eval()
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ __all__ = ["free_port", "run_world", "run_worlds_by_size"]
 
 def run_worlds_by_size(fn, runs: list[dict], root, *args) -> dict:
     """One spawned world per distinct `run["world"]` size, each calling `fn(rank, size, its runs, *args)`, which
-    returns {run name: report}; -> {run name: [report of each rank]}."""
+    returns {run name (or other key): report}; -> {run name: [report of each rank]}."""
     by_name = {}
     for world in sorted({r["world"] for r in runs}):
         members = [r for r in runs if r["world"] == world]
         ranks = run_world(fn, world, str(root / f"world{world}"), members, *args)
-        for run in members:
-            by_name[run["name"]] = [rank[run["name"]] for rank in ranks]
+        for name in ranks[0]:
+            by_name[name] = [rank[name] for rank in ranks]
     return by_name

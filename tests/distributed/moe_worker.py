@@ -111,6 +111,8 @@ def run_one(run: dict, model_dir: str) -> dict:
             assert trainer.global_steps == step
         losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         norms.append(float(trainer.engine.get_global_grad_norm()))
+    if run.get("resume_at") is not None:  # the final weights, for export and `hybrid3d.verify`
+        trainer.save(os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}"), tag="final")
     del hf, hf_state
     engine = trainer.engine
     report = {
@@ -137,4 +139,31 @@ def run_one(run: dict, model_dir: str) -> dict:
 
 
 def moe_runs(rank, world_size, runs, model_dir):
-    return {run["name"]: run_one(run, model_dir) for run in runs}
+    reports = {run["name"]: run_one(run, model_dir) for run in runs}
+    if world_size == 2:
+        reports["verify"] = verify_checkpoints(rank, model_dir)  # after the runs: it needs their checkpoints
+    return reports
+
+
+def verify_checkpoints(rank: int, model_dir: str) -> dict:
+    """`hybrid3d.verify` exit codes: a converted TP2 checkpoint and the EP2 run's final checkpoint against their HF
+    models (0 expected), and the trained checkpoint against the untrained model (1 expected)."""
+    import deepspeed.comm as dist
+
+    from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
+    from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
+    from hybrid3d.convert.verify import main as verify_main
+
+    root = os.path.dirname(model_dir)
+    converted, trained, exported = (os.path.join(root, n) for n in ("converted-tp2", "ckpt-EP2-DP2-Z2-resume", "hf-ep2"))
+    if rank == 0:
+        hf_to_hybrid(model_dir, converted, tp=2, pp=1)
+        hybrid_to_hf(trained, exported, tag="final", hf_config_dir=model_dir)  # the expert files merged back
+    dist.barrier()
+    runs = {"converted-tp2": (model_dir, converted, None), "ep2-trained": (exported, trained, "final"),
+            "ep2-vs-untrained": (model_dir, trained, "final")}
+    out = {}
+    for name, (hf_dir, checkpoint, tag) in runs.items():
+        argv = ["--hf-model", hf_dir, "--checkpoint", checkpoint] + (["--tag", tag] if tag else [])
+        out[name] = verify_main(argv)
+    return out
