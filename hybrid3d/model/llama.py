@@ -6,12 +6,13 @@ names them, so checkpoints and weight maps are shared between the two forms.
 
 from typing import Callable, Optional
 
+import torch
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
-from hybrid3d.model.moe import load_balancing_loss, split_router_stats
+from hybrid3d.model.moe import load_balancing_loss, router_tally, split_router_stats
 from hybrid3d.parallel.context_parallel import sequence_mean
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
 from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
@@ -31,14 +32,24 @@ class LanguageModelLoss:
         self.ignore_index = ignore_index
         self.num_experts = shape.num_experts
         self.router_aux_loss_coef = shape.router_aux_loss_coef
+        self._router_tally = None  # training calls' `moe.router_tally` sums since the last `take_router_tally`
 
     def __call__(self, outputs, targets):  # (b, s/c, V_padded/t) or (that, (2E + 1,)), (b, s/c) -> scalar
         logits, router_stats = split_router_stats(outputs)
         total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
         loss = sequence_mean(total, count, self.cp)
         if router_stats is not None:
-            loss = loss + self.router_aux_loss_coef * load_balancing_loss(router_stats, self.num_experts)
+            aux = load_balancing_loss(router_stats, self.num_experts)
+            loss = loss + self.router_aux_loss_coef * aux
+            if torch.is_grad_enabled():  # training micro-batches only: evaluation runs without gradients
+                tally = router_tally(aux, router_stats, self.num_experts)
+                self._router_tally = tally if self._router_tally is None else self._router_tally + tally
         return loss
+
+    def take_router_tally(self) -> Optional[torch.Tensor]:
+        """The summed tallies of the training calls since the last take (None if none ran here), and reset."""
+        tally, self._router_tally = self._router_tally, None
+        return tally
 
 
 class LlamaSequential(nn.Module):

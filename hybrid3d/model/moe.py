@@ -74,6 +74,22 @@ def load_balancing_loss(router_stats: torch.Tensor, num_experts: int) -> torch.T
     return torch.sum((counts / rows) * (prob_sums / rows)) * num_experts
 
 
+def router_tally(aux: torch.Tensor, router_stats: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """What a step's metrics need from one loss call, detached: (2 + E,) fp32 [1 call, its load-balancing
+    loss, assignments to each expert summed over the layers]. Tallies add up over micro-batches and ranks."""
+    one = torch.ones(1, dtype=torch.float32, device=router_stats.device)
+    return torch.cat((one, aux.detach().float().reshape(1), router_stats[:num_experts].detach()))
+
+
+def router_summary(tally: torch.Tensor) -> dict:
+    """Summed tallies -> metrics: the mean load-balancing loss (without its coefficient), each expert's share of
+    the assignments, and the busiest expert's load relative to a perfectly even split (1.0 = balanced)."""
+    calls, aux, counts = tally[0].item(), tally[1].item(), tally[2:]
+    share = counts / counts.sum().clamp(min=1)  # (E,)
+    return {"aux_loss": aux / max(calls, 1.0), "expert_load": [round(x, 5) for x in share.tolist()],
+            "expert_load_max": share.max().item() * len(share)}
+
+
 def split_router_stats(inputs):
     """A layer's input as (hidden, router_stats): a MoE model passes tuples, a dense one bare tensors (stats None)."""
     return inputs if isinstance(inputs, tuple) else (inputs, None)

@@ -236,6 +236,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         loss = trainer.train_step(micro_batches(data.train, step, batch, dp_rank, layout.dp, config.micro_batch_size))
         get_accelerator().synchronize()
         step_time = time.perf_counter() - started
+        routing = trainer.router_metrics()  # {} for a dense model
         step += 1
         grad_norm = trainer.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -243,7 +244,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         try:
             warning = nonfinite.check(loss, grad_norm, step, last_checkpoint=saves.last_path())
         except NonFiniteError:
-            logger.record(step, loss, lr, grad_norm, step_time)
+            logger.record(step, loss, lr, grad_norm, step_time, extra=routing)
             raise
         if warning:
             info(warning, is_rank0)
@@ -252,7 +253,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             watchdog.beat(f"the evaluation at step {step}")
             eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
-        logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None)
+        logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
+                      extra=routing)
         if saves.due(step):
             save(step)
         if stop.agreed():

@@ -46,7 +46,8 @@ class MetricsLogger:
         self.step_times = []
 
     def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float], step_time: float,
-               eval_loss: Optional[float] = None, log: bool = True) -> dict:
+               eval_loss: Optional[float] = None, log: bool = True, extra: Optional[dict] = None) -> dict:
+        """`extra`: further fields of the record (a MoE model's `aux_loss`, `expert_load`, `expert_load_max`)."""
         self.step_times.append(step_time)
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
@@ -61,6 +62,7 @@ class MetricsLogger:
             "mfu": tflops / self.peak_tflops if self.peak_tflops else None,
             "memory_bytes": peak_memory_bytes(),
             "time": time.time(),
+            **(extra or {}),
         }
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
@@ -77,6 +79,8 @@ class MetricsLogger:
             samples = record["step"]
             events = [(f"Train/hybrid3d/{k}", record[k], samples) for k in
                       ("loss", "lr", "tokens_per_s", "tflops") if record[k] is not None]
+            events += [(f"Train/hybrid3d/{k}", record[k], samples) for k in ("aux_loss", "expert_load_max")
+                       if k in record]
             if "eval_loss" in record:
                 events.append(("Eval/hybrid3d/loss", record["eval_loss"], samples))
             self.monitor.write_events(events)
@@ -95,6 +99,8 @@ class MetricsLogger:
             f"mem {r['memory_bytes'] / 2**30:.2f} GiB",
             f"ETA {_duration(eta)}",
         ]
+        if "aux_loss" in r:
+            parts.insert(2, f"aux {r['aux_loss']:.4f} (busiest expert {r['expert_load_max']:.2f}x even)")
         if "eval_loss" in r:
             parts.insert(2, f"eval loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.1f})")
         return " | ".join(parts)

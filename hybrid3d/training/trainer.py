@@ -34,7 +34,7 @@ from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
-from hybrid3d.model.moe import MoEFeedForward
+from hybrid3d.model.moe import MoEFeedForward, router_summary
 from hybrid3d.model.pipe import build_pipeline_module, check_schedule_stages
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
@@ -67,6 +67,20 @@ class Trainer:
     @property
     def global_steps(self) -> int:
         return self.engine.global_steps
+
+    def router_metrics(self) -> dict:
+        """A MoE model's load-balancing loss and expert loads over the last training step's global batch
+        (`moe.router_summary`); {} for a dense model. A collective: every rank calls it after `train_step`.
+        The ranks that computed losses (the last stage) contribute their tallies; TP ranks' copies are alike,
+        so their duplication cancels in the means and shares."""
+        if not self.shape.is_moe:
+            return {}
+        tally = self.module.loss_fn.take_router_tally()
+        if tally is None:
+            tally = torch.zeros(2 + self.shape.num_experts, dtype=torch.float32)
+        tally = tally.to(self.engine.device)
+        dist.all_reduce(tally)
+        return router_summary(tally.cpu())
 
     def train_step(self, micro_batches: Iterator[Batch]) -> float:
         """One optimizer step over GAS micro-batches; the loss averaged over micro-batches and DP."""

@@ -50,23 +50,29 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                                   weight_decay=ADAMW["weight_decay"])
-    coef = model.config.router_aux_loss_coef
-    losses, norms = [], []
+    coef, top_k = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
+    losses, norms, aux, loads = [], [], [], []
     for step in range(steps):
         ids, targets = global_batch(step)
         micro = list(zip(ids.split(MICRO_BATCH), targets.split(MICRO_BATCH)))
-        step_losses = []
+        step_losses, step_aux, counts = [], [], 0
         for mb_ids, mb_targets in micro:
             out = model(mb_ids, output_router_logits=True)
             loss = F.cross_entropy(out.logits.flatten(0, 1), mb_targets.flatten()) + coef * out.aux_loss
             (loss / len(micro)).backward()
             step_losses.append(loss.item())
+            step_aux.append(out.aux_loss.item())
+            for logits in out.router_logits:  # (n, E) per layer: its top-k choices
+                chosen = logits.topk(top_k, dim=-1).indices.flatten()
+                counts = counts + torch.bincount(chosen, minlength=logits.shape[-1])
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(sum(step_losses) / len(step_losses))
+        aux.append(sum(step_aux) / len(step_aux))
+        loads.append((counts / counts.sum()).tolist())  # each expert's share of the step's assignments
     weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(model.state_dict()).items()}
-    return {"losses": losses, "norms": norms, "weights": weights}
+    return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 
 def ds_config(tp: int, pp: int, ep: int, zero: int, **extra) -> dict:
@@ -99,7 +105,7 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     trainer = build()
     dp_rank, dp = trainer.groups.data_shard()
-    losses, norms = [], []
+    losses, norms, routing = [], [], []
     for step in range(STEPS):
         if step == run.get("resume_at"):  # save, then continue in a fresh trainer from the checkpoint
             save_dir = os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}")
@@ -111,6 +117,7 @@ def run_one(run: dict, model_dir: str) -> dict:
             assert trainer.global_steps == step
         losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         norms.append(float(trainer.engine.get_global_grad_norm()))
+        routing.append(trainer.router_metrics())
     if run.get("resume_at") is not None:  # the final weights, for export and `hybrid3d.verify`
         trainer.save(os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}"), tag="final")
     del hf, hf_state
@@ -118,6 +125,7 @@ def run_one(run: dict, model_dir: str) -> dict:
     report = {
         "losses": losses,
         "norms": norms,
+        "routing": routing,
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "experts": sorted({tuple(int(e) for e, _ in m.named_children()) for m in trainer.module.modules()

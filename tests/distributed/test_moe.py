@@ -77,6 +77,10 @@ def test_moe_layout_matches_hf_over_five_steps(results, run):
         assert max(abs(a - b) for a, b in zip(report["losses"], ref["losses"])) <= TOL
         # the norm every rank clips by counts each expert once, wherever it lives
         assert max(abs(a - b) for a, b in zip(report["norms"], ref["norms"])) <= TOL
+        # the metrics.jsonl fields: the step's mean load-balancing loss and each expert's share of its assignments
+        assert max(abs(r["aux_loss"] - a) for r, a in zip(report["routing"], ref["aux"])) <= TOL
+        assert max(abs(x - y) for r, ref_load in zip(report["routing"], ref["expert_load"])
+                   for x, y in zip(r["expert_load"], ref_load)) <= TOL
     weights = merged(reports)
     assert max_abs(weights, ref["weights"]) <= TOL
     assert min(ref["norms"]) > CLIP  # clipping was active at every step

@@ -202,6 +202,10 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "EP2" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
+    for record in metrics:  # the routing fields (their values are checked against HF in tests/distributed/test_moe.py)
+        assert record["aux_loss"] > 0 and record["expert_load_max"] >= 1.0
+        assert len(record["expert_load"]) == 4 and abs(sum(record["expert_load"]) - 1.0) < 1e-4
+    assert "busiest expert" in trained.stdout
     checkpoints = tmp_path / "run" / "checkpoints"
     assert list((checkpoints / "global_step4").glob("experts_ep_rank_*"))
 
