@@ -30,6 +30,16 @@ backward; recomputation repeats the forward ones (`cp_bytes_per_step`). The loss
 2 fp32 per micro-batch (`cp_loss_bytes_per_step`). Without SP the TP all-reduces
 above are over b·(s/c)·h.
 
+Expert parallelism (GShard, Lepikhin et al. 2021, §2.2; DeepSpeed-MoE, Rajbhandari et al. 2022, §5;
+`parallel/expert_parallel.py`, all_to_all_single over the e ranks of an EP group, logged at its input): per
+MoE block and micro-batch, forward the per-expert counts (E int64) and 2 all-to-alls of token rows —
+dispatch of the rank's n·k assignments (n = b·s tokens, k experts each, h wide) and combine of the r rows its
+experts processed — and backward the same 2 with the roles swapped (r rows, then n·k). r depends on routing;
+over an EP group Σ r = Σ n·k, so the group's mean rank logs 4·n·k·h elements a block (`ep_bytes_per_step`).
+With TP each TP rank exchanges all n tokens with the ranks of its TP index. Of what is logged, a share
+(e-1)/e leaves the rank when routing is even; the rest is the rank's own experts' rows. Recomputation
+repeats the forward ones.
+
 Data parallelism (Rajbhandari et al. 2020, §7): a plain all-reduce of Ψ gradients moves 2Ψ per rank
 (reduce-scatter + all-gather). DeepSpeed 0.19 logs: ZeRO-0 one all-reduce of Ψ; ZeRO-1 an all-reduce
 of Ψ then an all-gather of the Ψ/Nd updated partition; ZeRO-2 an all-reduce of Ψ per micro-batch
@@ -132,6 +142,19 @@ def cp_loss_bytes_per_step(cp: int, gas: int) -> int:
     """Logged all_reduce bytes of the loss over the CP group per step: the (sum, count) pair in fp32, once
     per micro-batch (`parallel.context_parallel.sequence_mean`); 0 when cp == 1."""
     return 2 * 4 * gas if cp > 1 else 0
+
+
+def ep_bytes_per_step(shape: LlamaShape, b: int, s: int, ep: int, pp: int, stage: int, gas: int,
+                      act_bytes: int = 2, recompute: bool = False) -> int:
+    """Logged all_to_all_single bytes of the mean rank of an EP group at `stage` per step (0 when e == 1 or the
+    model has no experts): per MoE block and micro-batch the counts (8·E bytes) and 2 row exchanges of
+    n·k·h forward, 2 backward, the forward ones again with recomputation (module docstring), n = b·s."""
+    if ep == 1 or not shape.is_moe:
+        return 0
+    rows = b * s * shape.experts_per_token * shape.hidden_size * act_bytes  # n·k rows of h
+    forward = 8 * shape.num_experts + 2 * rows
+    backward = 2 * rows
+    return gas * stage_layer_count(shape, pp, stage) * (forward * (2 if recompute else 1) + backward)
 
 
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,

@@ -29,7 +29,7 @@ from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig, parse_config
-from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2
+from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.errors import LayoutError
@@ -247,6 +247,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
     initialize = deepspeed.initialize
+    if shape.is_moe and layout.pp > 1:  # (hidden, router_stats) between stages: one backward pass, not two
+        initialize = tuple_backward.initialize
     if config.hybrid.pipeline_schedule == "interleaved":  # Megatron's interleaved 1F1B on DeepSpeed's engine
         initialize = functools.partial(interleaved_pipeline.initialize, schedule_cls=InterleavedSchedule)
     if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)

@@ -83,6 +83,7 @@ def ds_config(tp: int, pp: int, ep: int, zero: int, **extra) -> dict:
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": zero},
         "steps_per_print": 10**6,
+        "comms_logger": {"enabled": True, "prof_all": False},  # switched on for the last step (`run_one`)
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep},
     }
 
@@ -105,8 +106,13 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     trainer = build()
     dp_rank, dp = trainer.groups.data_shard()
+    from deepspeed.comm import comms_logger
+
     losses, norms, routing = [], [], []
     for step in range(STEPS):
+        if step == STEPS - 1:  # log the last step's collectives: its all-to-all bytes against the traffic model
+            comms_logger.comms_dict.clear()
+            comms_logger.enabled = comms_logger.prof_all = True
         if step == run.get("resume_at"):  # save, then continue in a fresh trainer from the checkpoint
             save_dir = os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}")
             trainer.save(save_dir, tag="mid")
@@ -117,6 +123,7 @@ def run_one(run: dict, model_dir: str) -> dict:
             assert trainer.global_steps == step
         losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         norms.append(float(trainer.engine.get_global_grad_norm()))
+        comms_logger.enabled = comms_logger.prof_all = False
         routing.append(trainer.router_metrics())
     if run.get("resume_at") is not None:  # the final weights, for export and `hybrid3d.verify`
         trainer.save(os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}"), tag="final")
@@ -126,6 +133,8 @@ def run_one(run: dict, model_dir: str) -> dict:
         "losses": losses,
         "norms": norms,
         "routing": routing,
+        "all_to_all_bytes": sum(int(size) * entry[0] for op, sizes in comms_logger.comms_dict.items()
+                                if op.startswith("all_to_all_single") for size, entry in sizes.items()),
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "experts": sorted({tuple(int(e) for e, _ in m.named_children()) for m in trainer.module.modules()

@@ -10,7 +10,7 @@ import torch
 
 from tests.distributed import run_worlds_by_size
 from tests.distributed.moe_worker import CLIP, MIXTRAL, make_mixtral, moe_runs, reference_run
-from tests.distributed.engine_runs import STEPS
+from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, SEQ, STEPS
 
 pytestmark = pytest.mark.slow
 
@@ -138,3 +138,22 @@ def test_expert_parallel_checkpoint_exports_and_verifies(results, tmp_path):
     assert all(torch.equal(exported[n], trained[n]) for n in trained)
     for rank in results["runs"]["verify"]:
         assert rank == {"converted-tp2": 0, "ep2-trained": 0, "ep2-vs-untrained": 1}
+
+
+@pytest.mark.parametrize("run", [r for r in RUN_DICTS if r["ep"] > 1], ids=lambda r: r["name"])
+def test_all_to_all_bytes_match_the_traffic_model(results, run):
+    """DeepSpeed's comms logger over one step: the mean rank's all_to_all_single bytes equal
+    `traffic.ep_bytes_per_step` exactly (fp32; with recomputation the forward exchanges twice). Single ranks
+    differ by what routing sent them; an EP group's received rows add up to the rows it sent."""
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.planning.traffic import ep_bytes_per_step
+    from transformers import MixtralConfig
+
+    shape = LlamaShape.from_hf(MixtralConfig(**MIXTRAL))
+    reports = results["runs"][run["name"]]
+    dp = run["world"] // (run["tp"] * run["pp"])
+    gas = GLOBAL_BATCH // (MICRO_BATCH * dp)
+    recompute = "pipeline" in run.get("extra", {})
+    expected = [ep_bytes_per_step(shape, MICRO_BATCH, SEQ, run["ep"], run["pp"], r["stage"], gas, act_bytes=4,
+                                  recompute=recompute) for r in reports]
+    assert sum(r["all_to_all_bytes"] for r in reports) == sum(expected) > 0, [(r["stage"], r["all_to_all_bytes"]) for r in reports]
