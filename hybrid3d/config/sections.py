@@ -63,6 +63,9 @@ class HybridSection:
     # Expert parallelism (GShard; DeepSpeed-MoE) for mixture-of-experts models: each of e data-parallel ranks
     # holds E/e whole experts and tokens travel to them by all-to-all; e divides the data-parallel size.
     expert_parallel_size: int = 1
+    # Expert capacity (GShard; Switch): null drops nothing (HF Mixtral's results); c caps each expert at
+    # ceil(c·n·k/E) of a rank's n tokens' k assignments and drops the rest (hybrid3d.model.moe.capacity_keep).
+    expert_capacity_factor: Optional[float] = None
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128

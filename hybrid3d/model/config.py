@@ -35,6 +35,9 @@ class LlamaShape:
     num_experts: int = 0  # E
     experts_per_token: int = 2  # k
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the LM loss
+    # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
+    # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
+    expert_capacity_factor: Optional[float] = None
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -52,6 +55,8 @@ class LlamaShape:
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise UnsupportedConfigError(f"num_experts_per_tok ({self.experts_per_token}) must be between 1 and "
                                          f"num_local_experts ({self.num_experts})")
+        if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
+            raise UnsupportedConfigError(f"expert_capacity_factor must be > 0, got {self.expert_capacity_factor}")
         if self.router_aux_loss_coef < 0:
             raise UnsupportedConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
 

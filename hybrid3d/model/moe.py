@@ -1,8 +1,8 @@
 """Mixture-of-experts feed-forward (Mixtral, Jiang et al. 2024) and its load-balancing loss.
 
 Each token goes to the k of E SwiGLU experts with the highest router probability; the output is the
-sum of their outputs weighted by those k probabilities renormalised to sum to 1. Every token is
-processed (no capacity limit, nothing dropped): each expert runs on the tokens routed to it
+sum of their outputs weighted by those k probabilities renormalised to sum to 1. By default every token is
+processed (no capacity limit, nothing dropped; `hybrid3d.expert_capacity_factor` sets one, `capacity_keep`): each expert runs on the tokens routed to it
 (index_select, then index_add into the output), the order of operations of HF's
 `MixtralSparseMoeBlock`, so fp32 results equal it.
 
@@ -33,6 +33,7 @@ all k choices over all layers. hybrid3d keeps its router and
 hands DeepSpeed only what its engine needs to treat the experts as expert parameters (ds_internals/experts.py).
 """
 
+import math
 from typing import Optional
 
 import torch
@@ -72,6 +73,27 @@ def load_balancing_loss(router_stats: torch.Tensor, num_experts: int) -> torch.T
     counts, prob_sums = router_stats[:num_experts], router_stats[num_experts:2 * num_experts]
     rows = router_stats[2 * num_experts].clamp(min=1)
     return torch.sum((counts / rows) * (prob_sums / rows)) * num_experts
+
+
+def capacity_keep(indices: torch.Tensor, num_experts: int, capacity_factor: Optional[float]) -> Optional[torch.Tensor]:
+    """Which assignments an expert capacity keeps: indices (n, k) -> (n, k) bool, None without a capacity.
+
+    GShard (Lepikhin et al. 2021, §2.2) and Switch (Fedus et al. 2022, §2.2) give each expert a capacity of
+    C = ceil(capacity_factor · n·k / E) assignments of the rank's n tokens; the assignments beyond C, in (token,
+    slot) order, are dropped: that slot adds nothing to the token (its other experts keep their weights, the
+    residual carries it). The router statistics and the load-balancing loss still count every choice."""
+    if capacity_factor is None:
+        return None
+    n, k = indices.shape
+    capacity = math.ceil(capacity_factor * n * k / num_experts)
+    flat = indices.reshape(-1)  # (a,) assignments in (token, slot) order
+    order = torch.argsort(flat, stable=True)  # grouped by expert, in (token, slot) order within each
+    counts = torch.bincount(flat, minlength=num_experts)
+    first = torch.cumsum(counts, 0) - counts  # (E,) where each expert's group starts in `order`
+    place = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]  # position within its expert
+    keep = torch.empty_like(flat, dtype=torch.bool)
+    keep[order] = place < capacity
+    return keep.view(n, k)
 
 
 def router_tally(aux: torch.Tensor, router_stats: torch.Tensor, num_experts: int) -> torch.Tensor:
@@ -162,7 +184,10 @@ class Experts(nn.Module):
                 param.allreduce = False  # deepspeed.moe.utils.is_moe_param
                 param.group_name = self.ep.name
 
-    def forward(self, x, weights, indices):  # (n, h), (n, k) fp32, (n, k) -> (n, h)
+    def forward(self, x, weights, indices, keep=None):  # (n, h), (n, k) fp32, (n, k), (n, k) bool -> (n, h)
+        """`keep` (`capacity_keep`): the assignments that run; the others are sent to expert E, which is none."""
+        if keep is not None:
+            indices = torch.where(keep, indices, self.num_experts)
         tp = self.tp
         x = copy_to_tp_region(x, tp)  # f: each rank's expert slices give a partial input gradient
         weights = copy_to_tp_region(weights, tp)  # f: so do they for the routing weights
@@ -197,6 +222,7 @@ class MoEFeedForward(nn.Module):
                  device=None, dtype=None):
         super().__init__()
         self.num_experts = shape.num_experts
+        self.capacity_factor = shape.expert_capacity_factor
         self.router = Router(shape, device=device, dtype=dtype)
         self.experts = Experts(shape, tp, ep, device=device, dtype=dtype)
 
@@ -204,6 +230,7 @@ class MoEFeedForward(nn.Module):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)  # (n, h), n = b·s
         probs, weights, indices = self.router(flat)  # (n, E), (n, k), (n, k)
-        out = self.experts(flat, weights, indices).view(b, s, h)
+        keep = capacity_keep(indices, self.num_experts, self.capacity_factor)  # None: every assignment runs
+        out = self.experts(flat, weights, indices, keep).view(b, s, h)
         stats = layer_router_stats(probs, indices)  # (2E + 1,)
         return out, stats if router_stats is None else router_stats + stats

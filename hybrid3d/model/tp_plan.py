@@ -17,6 +17,8 @@ rank holds an f/t slice of every expert; the router (E x h) is replicated, so al
 every token alike. Expert parallelism (whole experts per rank) is not part of this plan yet.
 """
 
+from typing import Optional
+
 from hybrid3d.errors import ConfigError, LayoutError
 from hybrid3d.model.config import LlamaShape
 
@@ -138,12 +140,16 @@ def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
 
 
 def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
-                      pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True) -> None:
+                      pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
+                      capacity_factor: Optional[float] = None) -> None:
     """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
     travel between stages as the second tensor of the activation tuple; DeepSpeed's PipelineEngine runs backward
     once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant checkpointing
     cannot do (its saved tensors are freed by the first), so a pipeline checkpoints MoE blocks non-reentrantly.
     Sequence parallelism, the other schedules and `pipeline_zero2` are untested with experts."""
+    if capacity_factor is not None and not (shape.is_moe and capacity_factor > 0):
+        raise ConfigError(f"hybrid3d.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
+                          "mixture-of-experts model")
     if not shape.is_moe:
         return
     if sequence_parallel:

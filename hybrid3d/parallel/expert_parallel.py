@@ -56,7 +56,7 @@ def _all_to_all(x: torch.Tensor, send: list, recv: list, group) -> torch.Tensor:
 class DispatchPlan:
     """What `combine` needs to send the expert outputs back. Lengths: a = n·k assignments, r received rows."""
 
-    order: torch.Tensor  # (a,) assignment ids (token·k + slot) sorted by expert: the order of `combine`'s output
+    order: torch.Tensor  # (a',) kept assignment ids (token·k + slot) sorted by expert: the order of `combine`'s output
     send: list  # rows sent to each EP rank
     recv: list  # rows received from each EP rank
     restore: torch.Tensor  # (r,) position of each received row in the expert-grouped rows
@@ -68,9 +68,9 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, num_experts: int, ep: Exper
     (list of E/e ints), plan). A collective over the EP group: every EP rank calls it for the same layer."""
     k = indices.shape[1]
     local = num_experts // ep.size  # L experts per rank
-    flat = indices.reshape(-1)  # (a,)
-    order = torch.argsort(flat, stable=True)  # (a,) assignments grouped by expert
-    counts = torch.bincount(flat, minlength=num_experts)  # (E,) assignments per expert
+    flat = indices.reshape(-1)  # (a,); an index of E marks an assignment dropped by the expert capacity
+    order = torch.argsort(flat, stable=True)  # (a,) assignments grouped by expert, the dropped ones last
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]  # (E,) assignments per expert
     # Each rank learns how many rows of each of its experts every source sends: counts are sent in blocks
     # of L (block j = rank j's experts), so the receiver's (e, L) table is [source, local expert].
     received = torch.empty_like(counts)
@@ -78,6 +78,7 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, num_experts: int, ep: Exper
     table = received.view(ep.size, local)  # (e, L)
     send = counts.view(ep.size, local).sum(dim=1).tolist()
     recv = table.sum(dim=1).tolist()
+    order = order[:sum(send)]  # (a',) the assignments that run
     rows = AllToAll.apply(x.index_select(0, order // k), send, recv, ep.group)  # (r, h), source-major
     # Regroup by local expert, source by source within each: a stable sort of each row's local expert id.
     expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep.size), table.reshape(-1))
@@ -87,6 +88,6 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, num_experts: int, ep: Exper
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
-    """Expert outputs y (r, h), grouped by local expert as `dispatch` returned the rows -> (a, h) back on their
+    """Expert outputs y (r, h), grouped by local expert as `dispatch` returned the rows -> (a', h) back on their
     source rank, row j the output for assignment `plan.order[j]`."""
     return AllToAll.apply(y.index_select(0, plan.restore), plan.recv, plan.send, plan.group)

@@ -66,6 +66,8 @@ false}`): each TP rank already holds a (b, s/t, h) sequence shard and sends just
 with no pipeline all-gather.
 """
 
+import math
+
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import kv_heads_split
 from hybrid3d.planning.activations import cp_kv_heads, sequence_chunk, stage_layer_count
@@ -148,10 +150,16 @@ def ep_bytes_per_step(shape: LlamaShape, b: int, s: int, ep: int, pp: int, stage
                       act_bytes: int = 2, recompute: bool = False) -> int:
     """Logged all_to_all_single bytes of the mean rank of an EP group at `stage` per step (0 when e == 1 or the
     model has no experts): per MoE block and micro-batch the counts (8·E bytes) and 2 row exchanges of
-    n·k·h forward, 2 backward, the forward ones again with recomputation (module docstring), n = b·s."""
+    n·k·h forward, 2 backward, the forward ones again with recomputation (module docstring), n = b·s.
+    With an expert capacity c the rows are at most E·ceil(c·n·k/E) (`moe.capacity_keep`): an upper bound,
+    reached when every expert fills its capacity."""
     if ep == 1 or not shape.is_moe:
         return 0
-    rows = b * s * shape.experts_per_token * shape.hidden_size * act_bytes  # n·k rows of h
+    assignments = b * s * shape.experts_per_token  # n·k
+    if shape.expert_capacity_factor is not None:
+        per_expert = math.ceil(shape.expert_capacity_factor * assignments / shape.num_experts)
+        assignments = min(assignments, shape.num_experts * per_expert)
+    rows = assignments * shape.hidden_size * act_bytes  # rows of h
     forward = 8 * shape.num_experts + 2 * rows
     backward = 2 * rows
     return gas * stage_layer_count(shape, pp, stage) * (forward * (2 if recompute else 1) + backward)

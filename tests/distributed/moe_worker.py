@@ -6,7 +6,9 @@ means over the batch), so the reference takes each micro-batch's loss, CE + coef
 alone, as every rank does, and averages the micro-batches' gradients as DeepSpeed does over GAS and DP.
 """
 
+import contextlib
 import gc
+import math
 import os
 
 import torch
@@ -22,6 +24,37 @@ MIXTRAL = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_
 # turns fp32 rounding into a visible step at eps 1e-8; eps 1e-6 and lr 1e-3 keep that far below the tolerance.
 ADAMW = dict(lr=1e-3, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1)
 CLIP = 1.0  # below the reference's gradient norms (the test checks that it clips)
+
+
+@contextlib.contextmanager
+def capacity_reference(factor: float):
+    """HF's Mixtral block with an expert capacity, written as the rule reads: visiting a micro-batch's n tokens
+    in order, each token's k choices in order, an expert takes an assignment while it has taken fewer than
+    ceil(factor·n·k/E); a dropped assignment's routing weight becomes 0 (its expert's output adds nothing)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+
+    def forward(self, hidden_states):
+        b, s, h = hidden_states.shape
+        flat = hidden_states.view(-1, h)
+        _, weights, index = self.gate(flat)
+        num_experts = self.gate.weight.shape[0]
+        capacity = math.ceil(factor * index.numel() / num_experts)
+        taken = [0] * num_experts
+        keep = torch.zeros(index.shape)
+        for token in range(index.shape[0]):
+            for slot in range(index.shape[1]):
+                expert = int(index[token, slot])
+                if taken[expert] < capacity:
+                    taken[expert] += 1
+                    keep[token, slot] = 1.0
+        return self.experts(flat, index, weights * keep).reshape(b, s, h)
+
+    saved = MixtralSparseMoeBlock.forward
+    MixtralSparseMoeBlock.forward = forward
+    try:
+        yield
+    finally:
+        MixtralSparseMoeBlock.forward = saved
 
 
 def make_mixtral(directory, seed: int = 0, **overrides) -> None:
@@ -75,7 +108,7 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 
-def ds_config(tp: int, pp: int, ep: int, zero: int, **extra) -> dict:
+def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, **extra) -> dict:
     return {**extra,
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -84,7 +117,8 @@ def ds_config(tp: int, pp: int, ep: int, zero: int, **extra) -> dict:
         "zero_optimization": {"stage": zero},
         "steps_per_print": 10**6,
         "comms_logger": {"enabled": True, "prof_all": False},  # switched on for the last step (`run_one`)
-        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep},
+        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
+                     "expert_capacity_factor": capacity},
     }
 
 
@@ -101,7 +135,7 @@ def run_one(run: dict, model_dir: str) -> dict:
     hf_state = hf.state_dict()
 
     def build():
-        config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], **run.get("extra", {}))
+        config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), **run.get("extra", {}))
         return build_trainer(config, shape, hf_state_dict=hf_state)
 
     trainer = build()

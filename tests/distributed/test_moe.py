@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.distributed import run_worlds_by_size
-from tests.distributed.moe_worker import CLIP, MIXTRAL, make_mixtral, moe_runs, reference_run
+from tests.distributed.moe_worker import CLIP, MIXTRAL, capacity_reference, make_mixtral, moe_runs, reference_run
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, SEQ, STEPS
 
 pytestmark = pytest.mark.slow
@@ -40,6 +40,9 @@ RUN_DICTS.append(dict(name="ckpt-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
 # DeepSpeed's reentrant checkpointing without a pipeline: the recomputed blocks run their all-to-alls again
 RUN_DICTS.append(dict(name="ckpt-EP2-DP2-Z1", tp=1, pp=1, ep=2, zero=1, world=2,
                       extra={"pipeline": {"activation_checkpoint_interval": 1}}))
+# an expert capacity of 1.0 (assignments dropped): dispatch sends the kept ones only, as HF with the rule as a loop
+RUN_DICTS.append(dict(name="EP2-DP2-Z1-capacity", tp=1, pp=1, ep=2, zero=1, world=2, capacity=1.0, ref="capacity"))
+RUN_DICTS.append(dict(name="TP2-Z1-capacity", tp=2, pp=1, ep=1, zero=1, world=2, capacity=1.0, ref="capacity"))
 # save after step 3, load into a fresh trainer (HF weights, new optimizer), train steps 4-5: still exact
 RUN_DICTS.append(dict(name="EP2-DP2-Z2-resume", tp=1, pp=1, ep=2, zero=2, world=2, resume_at=3))
 
@@ -50,6 +53,8 @@ def results(tmp_path_factory):
     model_dir = str(root / "mixtral")
     make_mixtral(model_dir)
     refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0)}
+    with capacity_reference(1.0):
+        refs["capacity"] = reference_run(model_dir)
     return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir), "root": root}
 
 
@@ -70,7 +75,7 @@ def max_abs(a: dict, b: dict) -> float:
 
 @pytest.mark.parametrize("run", RUN_DICTS, ids=lambda r: r["name"])
 def test_moe_layout_matches_hf_over_five_steps(results, run):
-    ref = results["ref"]["aux"]
+    ref = results["ref"][run.get("ref", "aux")]
     reports = results["runs"][run["name"]]
     for report in reports:
         assert len(report["losses"]) == STEPS
@@ -85,6 +90,8 @@ def test_moe_layout_matches_hf_over_five_steps(results, run):
     assert max_abs(weights, ref["weights"]) <= TOL
     assert min(ref["norms"]) > CLIP  # clipping was active at every step
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
+    if "capacity" in run:  # the capacity dropped assignments: the dropless run differs by far more than TOL
+        assert max_abs(weights, results["ref"]["aux"]["weights"]) > 100 * TOL
 
 
 def test_moe_pipeline_sends_whole_activations(results):
@@ -145,15 +152,25 @@ def test_all_to_all_bytes_match_the_traffic_model(results, run):
     """DeepSpeed's comms logger over one step: the mean rank's all_to_all_single bytes equal
     `traffic.ep_bytes_per_step` exactly (fp32; with recomputation the forward exchanges twice). Single ranks
     differ by what routing sent them; an EP group's received rows add up to the rows it sent."""
+    import dataclasses
+
     from hybrid3d.model import LlamaShape
     from hybrid3d.planning.traffic import ep_bytes_per_step
     from transformers import MixtralConfig
 
-    shape = LlamaShape.from_hf(MixtralConfig(**MIXTRAL))
+    dropless = LlamaShape.from_hf(MixtralConfig(**MIXTRAL))
+    shape = dataclasses.replace(dropless, expert_capacity_factor=run.get("capacity"))
     reports = results["runs"][run["name"]]
     dp = run["world"] // (run["tp"] * run["pp"])
     gas = GLOBAL_BATCH // (MICRO_BATCH * dp)
     recompute = "pipeline" in run.get("extra", {})
     expected = [ep_bytes_per_step(shape, MICRO_BATCH, SEQ, run["ep"], run["pp"], r["stage"], gas, act_bytes=4,
                                   recompute=recompute) for r in reports]
-    assert sum(r["all_to_all_bytes"] for r in reports) == sum(expected) > 0, [(r["stage"], r["all_to_all_bytes"]) for r in reports]
+    measured = sum(r["all_to_all_bytes"] for r in reports)
+    if "capacity" not in run:
+        assert measured == sum(expected) > 0, [(r["stage"], r["all_to_all_bytes"]) for r in reports]
+        return
+    # with a capacity the model is a bound; the dropped assignments were not sent
+    unbounded = sum(ep_bytes_per_step(dropless, MICRO_BATCH, SEQ, run["ep"], run["pp"], r["stage"], gas, act_bytes=4)
+                    for r in reports)
+    assert measured <= sum(expected) <= unbounded and measured < unbounded, (measured, expected, unbounded)

@@ -238,3 +238,44 @@ def test_checkpoint_records_expert_parallel_size(tmp_path):
                      "shape": {}, "module_only": False})
     assert not plan_resume(str(tag), None, 1, 1, 2, {}, ep=2).universal
     assert plan_resume(str(tag), None, 1, 1, 2, {}, ep=1).universal
+
+
+@pytest.mark.parametrize("factor", [0.5, 1.0])
+def test_expert_capacity_drops_like_the_rule(factor):
+    """`expert_capacity_factor`: logits, loss and gradients equal HF's block with the capacity rule written as a
+    loop (tests/distributed/moe_worker.py `capacity_reference`); assignments were dropped (the output differs
+    from the dropless model's by far more than the tolerance); a capacity of every assignment drops nothing."""
+    import dataclasses
+
+    from tests.distributed.moe_worker import capacity_reference
+
+    hf = make_hf(seed=5)
+    shape = dataclasses.replace(LlamaShape.from_hf(hf.config), expert_capacity_factor=factor)
+    model = LlamaSequential(shape, TP1)
+    load_hf_state_dict(model, hf.state_dict(), shape, TP1)
+    ids, targets = batch(seed=6)
+    dropless = hf(ids).logits.detach()
+    with capacity_reference(factor):
+        ref = hf(ids, labels=ids, output_router_logits=True)
+    loss = model.loss(ids, targets)
+    logits = gather_vocab_logits(model(ids)[0], TP1, TINY["vocab_size"])
+    assert (logits - ref.logits).abs().max() <= TOL
+    assert (logits - dropless).abs().max() > 100 * TOL
+    assert torch.allclose(loss, ref.loss, rtol=LOSS_RTOL, atol=0)
+    ref.loss.backward()
+    loss.backward()
+    hf_grads = unfuse_hf_experts({n: p.grad for n, p in hf.named_parameters()})
+    assert max_diff(gather_hf_state_dict(model, model.shape, TP1, grads=True), hf_grads) <= GRAD_TOL
+
+    everything = LlamaSequential(dataclasses.replace(shape, expert_capacity_factor=float(E)), TP1)
+    load_hf_state_dict(everything, hf.state_dict(), shape, TP1)
+    assert (gather_vocab_logits(everything(ids)[0], TP1, TINY["vocab_size"]) - dropless).abs().max() <= TOL
+
+
+def test_expert_capacity_config_refusals():
+    with pytest.raises(ConfigError, match="expert_capacity_factor"):
+        check_moe_options(LlamaShape.from_hf(MixtralConfig(**TINY)), 1, capacity_factor=0.0)
+    dense = LlamaShape(vocab_size=203, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                       num_kv_heads=2, head_dim=16)
+    with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
+        check_moe_options(dense, 1, capacity_factor=1.25)
