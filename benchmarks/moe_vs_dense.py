@@ -10,7 +10,8 @@ One spawned world runs every configuration `--repeats` times round-robin (built 
 ratios come from the same minutes of the same machine; step times are the median of each configuration's
 timed steps over all repeats. Per configuration and rank: parameters held (against
 `planning.memory.layer_parameter_numels`), model-state bytes (the optimizer's own tensors,
-`ds_internals.memory_probe.PeakProbe`), peak RSS, and one step's all_to_all_single bytes from DeepSpeed's
+`ds_internals.memory_probe.PeakProbe`; the process's peak RSS is kept in the JSON only: it is a high-water mark
+over all configurations run before), and one step's all_to_all_single bytes from DeepSpeed's
 comms logger against `planning.traffic.ep_bytes_per_step`.
 
     python benchmarks/moe_vs_dense.py --quick
@@ -158,21 +159,29 @@ def markdown(rows, env, command) -> str:
              environment_markdown(env, command), "",
              f"Shapes: {json.dumps(SHAPES)}", "",
              "| config | engine | step (s) | tokens/s | vs dense-DP2 | params/rank (model) | model states MiB "
-             "| peak RSS MiB | all-to-all B/rank/step (model) |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "| all-to-all B/rank/step (model) |",
+             "|---|---|---|---|---|---|---|---|"]
     dense = base.get("dense-DP2")
     for r in rows:
         ratio = f"{r['tokens_per_s'] / dense['tokens_per_s']:.2f}x" if dense else "n/a"
         params = ", ".join(f"{p:,}" for p in r["params_per_rank"])
         model = ", ".join(f"{p:,}" for p in r["params_model"])
         lines.append(f"| {r['name']} | {r['engine']} | {r['step_s']:.3f} | {r['tokens_per_s']:,.0f} | {ratio} "
-                     f"| {params} ({model}) | {r['states_mib']:.1f} | {r['rss_peak_mib']:.0f} "
+                     f"| {params} ({model}) | {r['states_mib']:.1f} "
                      f"| {r['all_to_all_mean']:,.0f} ({r['all_to_all_model']:,.0f}) |")
     if "moe-PP2" in base and "moe-PP2-ds-backward" in base:
         gain = base["moe-PP2-ds-backward"]["step_s"] / base["moe-PP2"]["step_s"]
         lines += ["", f"One backward pass per MoE pipeline stage: step time {gain:.2f}x faster than DeepSpeed's "
                       "per-tensor backward of the (hidden, router_stats) output (moe-PP2 vs moe-PP2-ds-backward)."]
     return "\n".join(lines) + "\n"
+
+
+def render(out_dir) -> None:
+    """Write the markdown again from a run's JSON (`python benchmarks/moe_vs_dense.py --render DIR`)."""
+    with open(os.path.join(out_dir, "moe_vs_dense.json")) as f:
+        saved = json.load(f)
+    with open(os.path.join(out_dir, "moe_vs_dense.md"), "w") as f:
+        f.write(markdown(saved["rows"], saved["environment"], saved["command"]))
 
 
 def write_chart(path, rows) -> None:
@@ -205,6 +214,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--render", metavar="DIR", help="only rewrite DIR/moe_vs_dense.md from its JSON")
     args = parser.parse_args(argv)
     require_matplotlib(parser)
     if args.quick:
@@ -218,6 +228,8 @@ def parse_args(argv=None):
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.render:
+        return render(args.render)
     env = environment()
     runs = []
     for name in args.configs:
