@@ -24,6 +24,7 @@ from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
+from hybrid3d.parallel.placement import gather_placement, placement_lines
 from hybrid3d.parallel.threads import local_ranks, set_cpu_threads
 from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
 from hybrid3d.training.metrics import MetricsLogger, info
@@ -178,6 +179,9 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
          f"{sequence_split(layout, hybrid.data.seq_length)}", is_rank0)
     for line in layout_summary(trainer):
         info(line, is_rank0)
+    places = gather_placement(layout)  # hosts and launcher variables of every rank (parallel/placement.py)
+    for line in placement_lines(places, layout):
+        info(line, is_rank0)
 
     if eval_only:
         if data.eval is None:
@@ -191,6 +195,7 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     if is_rank0:
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(json.dumps(job.raw, indent=1))
+        (output_dir / "placement.json").write_text(json.dumps(places, indent=1))
         (save_dir / HF_FILES_DIR).mkdir(parents=True, exist_ok=True)
         source.hf_config.save_pretrained(save_dir / HF_FILES_DIR)
         source.tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
