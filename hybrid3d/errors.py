@@ -44,3 +44,10 @@ class NonFiniteError(RuntimeError):
     """A NaN/inf loss, gradient norm or weight under `train.on_nonfinite = stop` (exit code 1)."""
 
     exit_code = EXIT_NONFINITE
+
+
+class PeerLostError(RuntimeError):
+    """A collective failed because another rank went away (its process or its node died): the job ends with
+    one line per rank naming the phase, not a communication library's traceback."""
+
+    exit_code = EXIT_HANG

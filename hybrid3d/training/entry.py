@@ -16,7 +16,7 @@ from hybrid3d.config.overrides import apply_overrides, parse_override_args
 from hybrid3d.config.run_config import parse_config
 from hybrid3d.config.sections import parse_hybrid_section, read_json
 from hybrid3d.ds_internals import check_deepspeed_version
-from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError, UserError
+from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import param_specs
@@ -136,6 +136,9 @@ def main(argv=None) -> int:
         return e.exit_code
     except UserError as e:  # found after start-up (e.g. in a checkpoint): may be on some ranks only
         print(f"error: {e}" if rank == 0 else f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
+        return e.exit_code
+    except PeerLostError as e:  # each surviving rank says which phase it was in
+        print(f"error: {' '.join(str(e).split())}", file=sys.stderr, flush=True)
         return e.exit_code
     except NonFiniteError as e:  # every rank sees the same values
         if rank == 0:

@@ -4,7 +4,8 @@ A collective whose peer stopped answering blocks inside the communication librar
 signal handlers cannot run, and torch's sub-groups default to a 30-minute timeout whatever the
 default group's is. A daemon thread watching the step loop's heartbeat catches both: it prints
 which rank waited, in which phase of which step, and exits the process; the DeepSpeed launcher
-then ends the other ranks.
+then ends the other ranks. A collective that fails because its peer is gone (gloo's "Connection closed by
+peer" when a rank or node dies) leaves the watched block as `PeerLostError`, one line naming the phase.
 """
 
 import os
@@ -12,7 +13,24 @@ import sys
 import threading
 import time
 
-from hybrid3d.errors import EXIT_HANG
+from hybrid3d.errors import EXIT_HANG, PeerLostError
+
+
+# What gloo and NCCL say when the other end of a collective is gone (torch raises them as RuntimeError or its
+# DistBackendError subclass).
+LOST_PEER_MESSAGES = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "remote process exited",
+                      "NCCL communicator was aborted", "socket closed")
+
+
+def lost_peer(error: BaseException) -> str:
+    """The library's words for a vanished peer, up to the end of its sentence ('' when it is another error)."""
+    text = " ".join(str(error).split())
+    for message in LOST_PEER_MESSAGES:
+        start = text.find(message)
+        if start >= 0:
+            end = text.find(". ", start)
+            return text[start:end if end >= 0 else len(text)]
+    return ""
 
 
 class Watchdog:
@@ -26,6 +44,10 @@ class Watchdog:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="hybrid3d-watchdog", daemon=True)
         self._thread.start()
+
+    @property
+    def phase(self) -> str:
+        return self._phase
 
     def beat(self, phase: str) -> None:
         """Mark progress; `phase` names what comes next ('step 12', 'save at step 12', ...)."""
@@ -41,8 +63,12 @@ class Watchdog:
     def __enter__(self) -> "Watchdog":
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, kind, error, traceback) -> None:
         self.stop()
+        if isinstance(error, RuntimeError) and lost_peer(error):
+            raise PeerLostError(f"rank {self.rank}: lost contact with another rank in {self._phase} "
+                                f"({lost_peer(error)}): a rank or its node stopped; resume from the last committed "
+                                "checkpoint with --checkpoint.load latest") from error
 
     def _watch(self) -> None:
         while not self._stopped.wait(min(5.0, self.timeout_s / 10)):

@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.launcher.harness import TRAIN, _port, launch_env, read_metrics
@@ -61,3 +62,46 @@ def test_per_node_launch_trains_like_one_host_and_resumes(uninterrupted, tmp_pat
                                      "--checkpoint.load", "latest"):
         assert code == 0, output[-4000:]
     assert [m["loss"] for m in read_metrics(resumed)] == [m["loss"] for m in uninterrupted["metrics"][4:]]
+
+
+def test_losing_a_node_ends_the_job_and_resume_continues_exactly(uninterrupted, tmp_path):
+    """Node 1 dies (every process, SIGKILL) while the job saves its step-8 checkpoint: node 0's ranks end
+    within the bound with an error naming the failure, `latest` still names the committed step-4 checkpoint,
+    and both nodes resume from it to the uninterrupted run's losses."""
+    import psutil
+
+    from tests.launcher.test_reliability import fault_env
+
+    config = tmp_path / "config.json"
+    raw = json.loads(uninterrupted["config"].read_text())
+    raw["hybrid3d"]["train"]["output_dir"] = str(tmp_path / "run")
+    raw["hybrid3d"]["timeout_seconds"] = 60  # the hang watchdog, the backstop behind gloo's own errors
+    config.write_text(json.dumps(raw))
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text(HOSTFILE)
+    marker = tmp_path / "rank2-in-save"
+    env = fault_env({"kind": "pause_in_save", "rank": 2, "match": "global_step8", "marker": str(marker)})
+    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
+             for cmd in per_node_commands(config, hostfile)]
+    deadline = time.time() + 400
+    while not marker.exists() and time.time() < deadline and procs[0].poll() is None:
+        time.sleep(0.2)
+    assert marker.exists(), procs[0].communicate(timeout=60)[0][-4000:]
+    node1 = psutil.Process(procs[1].pid)
+    for proc in node1.children(recursive=True) + [node1]:
+        proc.kill()
+    killed = time.time()
+    output, _ = procs[0].communicate(timeout=300)
+    ended = time.time() - killed
+    procs[1].communicate(timeout=60)
+    assert procs[0].returncode != 0 and ended < 120, (ended, output[-4000:])
+    assert "error: rank 0: lost contact with another rank in the checkpoint save at step 8" in output, output[-4000:]
+    assert "Traceback" not in output, output[-4000:]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text().strip() == "global_step4"
+
+    for code, out in launch_nodes(config, hostfile, "--checkpoint.load", "latest"):
+        assert code == 0, out[-4000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["loss"] for m in metrics[-4:]] == [m["loss"] for m in uninterrupted["metrics"][4:]]
+    print(f"node 0 ended {ended:.1f} s after node 1 was killed:", *[l for l in output.splitlines() if "error" in l.lower()][:6], sep="\n")

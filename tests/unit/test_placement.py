@@ -38,3 +38,21 @@ def test_tp_times_cp_blocks_count_as_one():
     layout = ParallelLayout(tp=2, pp=1, dp=2, cp=2)  # blocks of 4 ranks: a 2-rank node splits each
     assert len(blocks_across_nodes(places(layout, [2, 2, 2, 2]))) == 2
     assert blocks_across_nodes(places(layout, [4, 4])) == []
+
+
+def test_a_vanished_peer_becomes_one_line_naming_the_phase():
+    import pytest
+
+    from hybrid3d.errors import PeerLostError
+    from hybrid3d.training.watchdog import Watchdog
+
+    gloo = RuntimeError("[/gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.2]:5530. This is "
+                        "typically caused by a remote worker crashing.")
+    with pytest.raises(PeerLostError, match=r"^rank 3: lost contact with another rank in step 7 \(Connection closed "
+                                            r"by peer \[10.0.0.2\]:5530\): a rank or its node stopped"):
+        with Watchdog(60, rank=3) as watchdog:
+            watchdog.beat("step 7")
+            raise gloo
+    with pytest.raises(RuntimeError, match="out of memory"):  # other errors pass unchanged
+        with Watchdog(60, rank=3):
+            raise RuntimeError("CUDA out of memory")
