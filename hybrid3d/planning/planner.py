@@ -103,6 +103,9 @@ def layout_refusal(shape: LlamaShape, tp: int, pp: int, cluster: Cluster, cp: in
         return f"tp={tp} > {cluster.gpus_per_node} GPUs per node: TP all-reduces would cross nodes"
     if tp * cp > cluster.gpus_per_node:
         return f"tp·cp = {tp * cp} > {cluster.gpus_per_node} GPUs per node: the all-to-alls would cross nodes"
+    if cluster.gpus_per_node % (tp * cp):  # ranks fill nodes in order: some block would straddle two nodes
+        return (f"tp·cp = {tp * cp} does not divide {cluster.gpus_per_node} GPUs per node: some TP groups would "
+                "cross nodes (parallel/placement.py)")
     try:
         ParallelLayout(tp, pp, cluster.gpus // (tp * pp * cp), cp=cp)
         check_split(shape, tp, pp, cp)  # with cp: a % (t·c), and the kv heads of a TP rank and c divide one another

@@ -91,13 +91,22 @@ def test_context_parallelism_refusals(llama3_8b):
     assert layout_refusal(llama3_8b, 2, 1, one_node, cp=8) is None  # 4 kv heads per TP rank, 2 per CP rank
     gqa = LlamaShape(vocab_size=1024, hidden_size=768, intermediate_size=1024, num_layers=2, num_heads=12,
                      num_kv_heads=4, head_dim=64)
-    kv = layout_refusal(gqa, 1, 1, Cluster(gpus=6, gpu_memory_gb=80), cp=6)
+    kv = layout_refusal(gqa, 1, 1, Cluster(gpus=6, gpu_memory_gb=80, gpus_per_node=6), cp=6)
     assert "kv heads of a tensor-parallel rank" in kv and "context_parallel_size (6) must divide" in kv
     feasible, refused = plan(llama3_8b, Cluster(gpus=16, gpu_memory_gb=80), 4096, 512, context_parallel=True)
     assert any(c.cp > 1 and c.pp > 1 for c in feasible) and any(c.cp > 1 and c.pp == 1 for c in feasible)
     assert all(c.tp * c.pp * c.cp * c.dp == 16 for c in feasible)
     assert all(c.tp * c.cp <= 8 for c in feasible)
     assert any(r.startswith("CP > 1: only with tp·cp <= 8 GPUs per node") for r in refused)
+
+
+def test_tp_groups_must_tile_the_nodes(llama3_8b):
+    """Ranks fill nodes in order (parallel/placement.py): with 6 GPUs per node a TP4 group would straddle two."""
+    six = Cluster(gpus=12, gpu_memory_gb=80, gpus_per_node=6)
+    assert "tp·cp = 4 does not divide 6 GPUs per node" in layout_refusal(llama3_8b, 4, 1, six)
+    assert layout_refusal(llama3_8b, 2, 1, six) is None
+    feasible, _ = plan(llama3_8b, six, 4096, 96)
+    assert feasible and all(6 % (c.tp * c.cp) == 0 for c in feasible)
 
 
 def test_planner_with_sp_and_cp(llama3_8b):
