@@ -29,12 +29,15 @@ def read_meta(tag_dir: Path) -> Optional[dict]:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def prune_checkpoints(save_dir: Path, keep_last: int) -> list[str]:
-    """Remove all but the newest `keep_last` step tags (and their universal twins)."""
+def prune_checkpoints(save_dir: Path, keep_last: int, saved_step: int) -> list[str]:
+    """After committing the tag of `saved_step`: remove all but the newest `keep_last` tags of steps up to it
+    (and their universal twins). Tags of later steps belong to another branch of history (a run resumed from an
+    earlier tag): they are left alone, so the tag just saved, which `latest` names, is always kept."""
     if keep_last <= 0:
         return []
-    steps = sorted(int(m.group(1)) for p in save_dir.iterdir()
-                   if p.is_dir() and (m := re.fullmatch(rf"{TAG_PREFIX}(\d+)", p.name)))
+    steps = sorted(step for p in save_dir.iterdir()
+                   if p.is_dir() and (m := re.fullmatch(rf"{TAG_PREFIX}(\d+)", p.name))
+                   and (step := int(m.group(1))) <= saved_step)
     removed = []
     for step in steps[:-keep_last]:
         for name in (tag_for_step(step), f"{tag_for_step(step)}_universal"):

@@ -31,19 +31,18 @@ def weights_are_finite(module) -> bool:
 class CheckpointSaver:
     """Saves through the commit protocol of `checkpoint_commit`; never saves non-finite weights."""
 
-    def __init__(self, trainer, save_dir: Path, meta: dict, global_batch: int, keep_last: int, is_rank0: bool):
+    def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool):
         self.trainer = trainer
         self.save_dir = save_dir
         self.meta = meta
-        self.global_batch = global_batch
         self.keep_last = keep_last
         self.is_rank0 = is_rank0
 
-    def save(self, step: int, rng: dict) -> Path:
+    def save(self, step: int, rng: dict, samples: int) -> Path:
+        """Save after `step` optimizer steps that consumed `samples` samples (`data.DataCursor`)."""
         if not weights_are_finite(self.trainer.module):
             raise NonFiniteError(f"weights hold NaN or inf at step {step}; not saving a checkpoint")
         tag = tag_for_step(step)
-        samples = step * self.global_batch
         if self.is_rank0:
             prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})
         dist.barrier()
@@ -52,7 +51,7 @@ class CheckpointSaver:
         dist.barrier()  # every rank's files are on disk before the commit
         if self.is_rank0:
             commit(self.save_dir, tag)
-            prune_checkpoints(self.save_dir, self.keep_last)
+            prune_checkpoints(self.save_dir, self.keep_last, step)
         dist.barrier()
         return self.save_dir / tag
 

@@ -5,7 +5,11 @@ conversion of a tag to a universal checkpoint (resharding to another TP/PP/DP la
 (`param_specs`) that slices HF weights, so conversion, training and resharding agree.
 """
 
+import hashlib
+import json
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -35,13 +39,37 @@ def universal_checkpoint_info(shape: LlamaShape, tp_size: int) -> dict:
     }
 
 
+UNIVERSAL_MARKER = "hybrid3d_universal.json"  # written last: the conversion finished, and from which source
+
+
+def universal_source_id(tag_dir: Path) -> str:
+    """What identifies the converted tag: the sha256 of its hybrid3d.json (step, samples, manifest of sizes), so
+    a `<tag>_universal` left by another branch of history that reused the tag name is not taken for this one."""
+    meta = tag_dir / "hybrid3d.json"
+    return hashlib.sha256(meta.read_bytes()).hexdigest() if meta.is_file() else "no hybrid3d.json"
+
+
 def convert_to_universal(plan) -> Path:
-    """Run DeepSpeed's `ds_to_universal` on the tag (once; the result is kept next to it).
-    `plan` is a `hybrid3d.checkpoint.resume.ResumePlan`."""
+    """Run DeepSpeed's `ds_to_universal` on the tag, once: the result is kept next to it as `<tag>_universal`.
+    `plan` is a `hybrid3d.checkpoint.resume.ResumePlan`.
+
+    The conversion writes into `<tag>_universal.incomplete` and is renamed into place only after its marker (the
+    source's `universal_source_id`) is written, so a killed conversion is never reused; an existing
+    `<tag>_universal` whose marker does not name this tag's contents is removed and converted again."""
+    source = plan.load_dir / plan.tag
     output = plan.load_dir / plan.universal_tag
-    if not (output / "zero").is_dir():
-        subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                        "--input_folder", str(plan.load_dir / plan.tag), "--output_folder", str(output),
-                        "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                       check=True, stdout=subprocess.DEVNULL)
+    wanted = universal_source_id(source)
+    marker = output / UNIVERSAL_MARKER
+    if marker.is_file() and json.loads(marker.read_text()).get("source") == wanted:
+        return output
+    staging = output.with_name(output.name + ".incomplete")
+    for stale in (output, staging):
+        if stale.exists():
+            shutil.rmtree(stale)
+    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
+                    "--input_folder", str(source), "--output_folder", str(staging),
+                    "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                   check=True, stdout=subprocess.DEVNULL)
+    (staging / UNIVERSAL_MARKER).write_text(json.dumps({"source": wanted, "tag": plan.tag}))
+    os.replace(staging, output)
     return output

@@ -25,14 +25,30 @@ class PackedSamples:
         return np.asarray(self.tokens[start:start + self.seq_length + 1])
 
 
-def micro_batches(samples: PackedSamples, batch_index: int, global_batch: int, dp_rank: int, dp: int,
+def micro_batches(samples: PackedSamples, first_sample: int, global_batch: int, dp_rank: int, dp: int,
                   micro_batch: int):
-    """Iterator over (input_ids, targets), each (m, s) int64, of DP rank `dp_rank` in global batch
-    `batch_index`."""
+    """Iterator over (input_ids, targets), each (m, s) int64, of DP rank `dp_rank` in the global batch of
+    samples [first_sample, first_sample + global_batch): rank r reads its B/d consecutive samples."""
     share = global_batch // dp
-    first = batch_index * global_batch + dp_rank * share
+    first = first_sample + dp_rank * share
     rows = np.stack([samples.sample(first + j) for j in range(share)]).astype(np.int64)  # (B/d, s+1)
     rows = torch.from_numpy(rows)
     for start in range(0, share, micro_batch):
         chunk = rows[start:start + micro_batch]
         yield chunk[:, :-1].contiguous(), chunk[:, 1:].contiguous()
+
+
+class DataCursor:
+    """Where training is in the sample stream: the samples consumed so far (Megatron's `consumed_samples`).
+
+    A checkpoint stores it, and a resumed run continues at the next unseen sample even when its global batch
+    (or its DP size) differs from the run that saved; a step count alone would skip or repeat samples then."""
+
+    def __init__(self, samples_consumed: int = 0):
+        self.samples_consumed = samples_consumed
+
+    def next_batch(self, global_batch: int) -> int:
+        """The first sample of the next global batch, which is then consumed."""
+        first = self.samples_consumed
+        self.samples_consumed += global_batch
+        return first

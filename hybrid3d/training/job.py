@@ -18,7 +18,7 @@ from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
 from hybrid3d.checkpoint.resume import recorded_schedule
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
 from hybrid3d.checkpoint.universal import convert_to_universal
-from hybrid3d.data import build_training_data, micro_batches
+from hybrid3d.data import DataCursor, build_training_data, micro_batches
 from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
 from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
@@ -95,7 +95,7 @@ def sequence_split(layout, seq: int) -> str:
 
 def evaluate(trainer, data, job, dp_rank) -> float:
     batch = job.config.sequences_per_step
-    losses = [trainer.eval_step(micro_batches(data.eval, k, batch, dp_rank, job.layout.dp,
+    losses = [trainer.eval_step(micro_batches(data.eval, k * batch, batch, dp_rank, job.layout.dp,
                                               job.config.micro_batch_size))
               for k in range(job.hybrid.train.eval_steps)]
     return float(np.mean(losses))
@@ -209,16 +209,22 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
                        **recorded_schedule(layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)},
             "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
-    saver = CheckpointSaver(trainer, save_dir, meta, batch, hybrid.checkpoint.keep_last, is_rank0)
+    saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0)
+    # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.
+    cursor = DataCursor(int(client.get("samples_consumed", step * batch)))
+    if job.plan is not None and cursor.samples_consumed != step * batch:
+        info(f"data: continuing at sample {cursor.samples_consumed:,} (the checkpoint's samples consumed; "
+             f"{step} steps of this run's {batch} sequences would be {step * batch:,})", is_rank0)
     last_saved = step if job.plan is not None and not job.plan.module_only else None
-    saves = SaveSchedule(hybrid.checkpoint.save_interval, lambda at: saver.save(at, rng_state()),
+    saves = SaveSchedule(hybrid.checkpoint.save_interval,
+                         lambda at: saver.save(at, rng_state(), cursor.samples_consumed),
                          lambda at: save_dir / tag_for_step(at), last_saved)
     stop = StopRequest(device=get_accelerator().current_device_name())
     with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
-        return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0)
+        return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor)
 
 
-def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0) -> int:
+def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor) -> int:
     """Train from `step` to train.steps; each policy decides when it acts."""
     hybrid, layout, config = job.hybrid, job.layout, trainer.config
     batch = config.sequences_per_step
@@ -238,7 +244,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
     while step < hybrid.train.steps:
         watchdog.beat(f"step {step + 1}")
         started = time.perf_counter()
-        loss = trainer.train_step(micro_batches(data.train, step, batch, dp_rank, layout.dp, config.micro_batch_size))
+        first = cursor.next_batch(batch)
+        loss = trainer.train_step(micro_batches(data.train, first, batch, dp_rank, layout.dp, config.micro_batch_size))
         get_accelerator().synchronize()
         step_time = time.perf_counter() - started
         routing = trainer.router_metrics()  # {} for a dense model
@@ -249,7 +256,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         try:
             warning = nonfinite.check(loss, grad_norm, step, last_checkpoint=saves.last_path())
         except NonFiniteError:
-            logger.record(step, loss, lr, grad_norm, step_time, extra=routing)
+            logger.record(step, loss, lr, grad_norm, step_time, extra={"samples_consumed": cursor.samples_consumed,
+                                                                       **routing})
             raise
         if warning:
             info(warning, is_rank0)
@@ -259,7 +267,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
-                      extra=routing)
+                      extra={"samples_consumed": cursor.samples_consumed, **routing})
         if saves.due(step):
             save(step)
         if stop.agreed():

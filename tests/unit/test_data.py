@@ -56,7 +56,7 @@ def test_packing_and_sharding_follow_the_convention(jsonl, tokenizer, shuffle):
     batch, dp, micro = 8, 2, 2
     for k in (0, 3, len(data.train) // batch + 1):  # the last one wraps into the next epoch
         for dp_rank in range(dp):
-            got = list(micro_batches(data.train, k, batch, dp_rank, dp, micro))
+            got = list(micro_batches(data.train, k * batch, batch, dp_rank, dp, micro))
             want = expected_micro_batches(stream, 16, k, batch, dp_rank, dp, micro)
             assert len(got) == len(want) == batch // dp // micro
             for (ids, targets), (want_ids, want_targets) in zip(got, want):
@@ -92,3 +92,26 @@ def test_bad_data_is_refused_naming_the_key(tmp_path, tokenizer, make, needle):
         build_training_data(DataSection(path=str(path), text_field="body", seq_length=64), tokenizer, "builtin",
                             tokenizer.eos_token_id)
     assert needle in str(err.value)
+
+
+def test_a_changed_global_batch_continues_at_the_next_unseen_sample(jsonl, tokenizer):
+    """Megatron's consumed_samples: 3 steps of 8 sequences, then (resumed with a global batch of 4, on another
+    DP size) the next steps read samples 24-27 and 28-31: no sample skipped or read twice."""
+    from hybrid3d.data import DataCursor
+
+    section = DataSection(path=str(jsonl), text_field="body", seq_length=16)
+    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    stream = expected_stream(DOCS, tokenizer)
+    n = (len(stream) - 1) // 16
+
+    def read(cursor, batch, dp):
+        first = cursor.next_batch(batch)
+        rows = [ids.tolist() for r in range(dp) for ids, _ in micro_batches(data.train, first, batch, r, dp, 1)]
+        return [row for chunk in rows for row in chunk]
+
+    before = DataCursor()
+    seen = [row for _ in range(3) for row in read(before, 8, 2)]
+    after = DataCursor(before.samples_consumed)  # what the checkpoint stores
+    seen += [row for _ in range(2) for row in read(after, 4, 4)]
+    assert after.samples_consumed == 32
+    assert seen == [stream[(i % n) * 16:(i % n) * 16 + 16] for i in range(32)]

@@ -1,0 +1,56 @@
+"""`keep_last` pruning (hybrid3d/checkpoint/files.py): never the tag just saved, which `latest` names."""
+
+from hybrid3d.checkpoint.files import prune_checkpoints
+
+
+def tags(root):
+    return sorted(p.name for p in root.iterdir())
+
+
+def test_pruning_keeps_the_newest_tags_up_to_the_saved_step(tmp_path):
+    for step in (100, 200, 300):
+        (tmp_path / f"global_step{step}").mkdir()
+    (tmp_path / "global_step100_universal").mkdir()
+    assert prune_checkpoints(tmp_path, 2, 300) == ["global_step100", "global_step100_universal"]
+    assert tags(tmp_path) == ["global_step200", "global_step300"]
+
+
+def test_a_run_resumed_from_an_older_tag_keeps_what_it_just_saved(tmp_path):
+    """Resumed from step 100 while 200 and 300 exist (keep_last 2): the new save at 150 stays; the tags of the
+    abandoned branch (200, 300) are left alone; the older tags of this branch are pruned."""
+    for step in (50, 100, 150, 200, 300):
+        (tmp_path / f"global_step{step}").mkdir()
+    assert prune_checkpoints(tmp_path, 2, 150) == ["global_step50"]
+    assert tags(tmp_path) == ["global_step100", "global_step150", "global_step200", "global_step300"]
+
+
+def test_a_killed_or_stale_universal_conversion_is_not_reused(tmp_path, monkeypatch):
+    """`convert_to_universal` reuses `<tag>_universal` only when its marker names the tag's contents: a folder
+    left by a killed conversion (no marker) or converted from another branch's tag of the same name is redone."""
+    import json
+    import subprocess
+
+    from hybrid3d.checkpoint import universal
+    from hybrid3d.checkpoint.resume import ResumePlan
+
+    tag = tmp_path / "global_step4"
+    tag.mkdir()
+    (tag / "hybrid3d.json").write_text(json.dumps({"step": 4, "branch": "a"}))
+    runs = []
+
+    def fake_ds_to_universal(cmd, **kwargs):  # stands in for DeepSpeed's converter: writes its zero/ folder
+        out = cmd[cmd.index("--output_folder") + 1]
+        runs.append(out)
+        (tmp_path / out).joinpath("zero").mkdir(parents=True)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(universal.subprocess, "run", fake_ds_to_universal)
+    plan = ResumePlan(load_dir=tmp_path, tag="global_step4", meta={}, universal=True, module_only=False)
+    killed = tmp_path / "global_step4_universal"
+    (killed / "zero").mkdir(parents=True)  # what a killed run of the old code left: zero/ but no marker
+    assert universal.convert_to_universal(plan) == killed and len(runs) == 1
+    assert runs[0].endswith("global_step4_universal.incomplete") and not (tmp_path / runs[0]).exists()
+    assert universal.convert_to_universal(plan) == killed and len(runs) == 1  # complete and current: reused
+    (tag / "hybrid3d.json").write_text(json.dumps({"step": 4, "branch": "b"}))  # the tag saved again, elsewhere
+    universal.convert_to_universal(plan)
+    assert len(runs) == 2
