@@ -75,6 +75,10 @@ def check_nonfinite_policy(ds: dict, policy: str) -> None:
     if policy == "skip" and stage == 0 and not low_precision:
         raise ConfigError(f"{SECTION}.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16 "
                           "(DeepSpeed skips non-finite steps only in its optimizer wrappers); use 'stop'")
+    # the wrappers skip a step only when they check the gradients for inf/NaN; with the check off they apply it
+    if policy == "skip" and ds.get("bf16", {}).get("check_grad_overflow", True) is False:
+        raise ConfigError(f"{SECTION}.train.on_nonfinite='skip' needs bf16.check_grad_overflow true (without it "
+                          "DeepSpeed applies a non-finite update); remove the key or use 'stop'")
 
 
 def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:

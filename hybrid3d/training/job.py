@@ -16,7 +16,7 @@ from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
 from hybrid3d.checkpoint.resume import recorded_schedule
-from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives
+from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives, weights_are_finite
 from hybrid3d.checkpoint.universal import convert_to_universal
 from hybrid3d.data import DataCursor, build_training_data, micro_batches
 from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
@@ -259,6 +259,10 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             logger.record(step, loss, lr, grad_norm, step_time, extra={"samples_consumed": cursor.samples_consumed,
                                                                        **routing})
             raise
+        if warning and not weights_are_finite(trainer.module):  # 'skip' said the update was dropped: was it?
+            logger.record(step, loss, lr, grad_norm, step_time)
+            raise NonFiniteError(f"step {step} applied a non-finite update under train.on_nonfinite=skip (the "
+                                 f"weights now hold NaN or inf); the last checkpoint is {saves.last_path() or 'none'}")
         if warning:
             info(warning, is_rank0)
         eval_loss = None

@@ -78,6 +78,9 @@ BAD_INPUTS = [
      "hybrid3d.train.on_nonfinite must be 'skip' or 'stop'"),
     ("skip-without-wrapper", lambda c: (h(c)["train"].update(on_nonfinite="skip"), c["zero_optimization"].update(stage=0)),
      None, [], 4, "hybrid3d.train.on_nonfinite='skip' needs zero_optimization.stage >= 1 or bf16"),
+    ("skip-without-overflow-check", lambda c: (h(c)["train"].update(on_nonfinite="skip"),
+                                               c.update(bf16={"enabled": True, "check_grad_overflow": False})),
+     None, [], 4, "hybrid3d.train.on_nonfinite='skip' needs bf16.check_grad_overflow true"),
     ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
     # Sequence and context parallelism: the combinations that cannot work.
