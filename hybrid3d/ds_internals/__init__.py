@@ -12,6 +12,10 @@ version: `check_deepspeed_version()` turns any other into one line at start-up.
 from contextlib import contextmanager
 
 TESTED_DEEPSPEED = "0.19.8"
+# pipeline_zero2's cross-stage sum of a tied weight's gradient runs in fp32 chunks of at most this many elements
+# (64 MiB), whatever reduce_bucket_size says (DeepSpeed's default, 5e8 elements, would be a 2 GB buffer);
+# the memory model counts one chunk (planning/memory.py).
+TIED_SUM_CHUNK_ELEMENTS = 2**24
 
 
 def check_deepspeed_version(installed: str | None = None) -> None:

@@ -39,7 +39,7 @@ from deepspeed.runtime.pipe.module import TiedLayerSpec
 from deepspeed.runtime.zero.config import ZeroStageEnum
 from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
 
-from hybrid3d.ds_internals import swapped
+from hybrid3d.ds_internals import TIED_SUM_CHUNK_ELEMENTS, swapped
 
 # Which collective reduces a bucket (`average_tensor`, `stage_1_and_2.py:1590-1723`): False sends each
 # owner's slices with one `dist.reduce`, (d-1)/d of the bucket per rank instead of a bucket all-reduce's
@@ -130,7 +130,8 @@ class TiedPartitionReduction:
     stage s holds P_s = (1/d)·Σ_dp Σ_micro g_s, sliced over its DP ranks. The true gradient is
     P_first + P_last. The stages slice the weight differently, so each rank writes its owned slice
     into a zero tensor spanning the weight, an all-reduce runs over both stages' DP ranks, and every
-    rank reads its slice back, in chunks of `reduce_bucket_size` elements. All ranks receive the same
+    rank reads its slice back, in chunks of at most `reduce_bucket_size` and `TIED_SUM_CHUNK_ELEMENTS`
+    elements. All ranks receive the same
     sum, so the copies stay bit-identical. Traffic: the tied weight once per step in the accumulation
     dtype; memory: one chunk, during the call only.
     """
@@ -145,7 +146,7 @@ class TiedPartitionReduction:
         self.optimizer = optimizer
 
     def sum_across_stages(self) -> None:
-        chunk = int(self.optimizer.reduce_bucket_size)
+        chunk = min(int(self.optimizer.reduce_bucket_size), TIED_SUM_CHUNK_ELEMENTS)
         for weight, group in self.entries:
             owned = owned_gradient_slice(self.optimizer, weight)
             start, view = owned if owned is not None else (0, weight.new_empty(0))

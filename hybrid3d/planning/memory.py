@@ -52,6 +52,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from hybrid3d.ds_internals import TIED_SUM_CHUNK_ELEMENTS
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import stage_bounds
 from hybrid3d.model.tp_plan import kv_rows_per_rank
@@ -192,9 +193,12 @@ def aligned_numel(psi: int, nd: int) -> int:
 
 def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: str, pp: int, dp_rank: int = 0,
                              gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
-                             pipeline_zero2: bool = False, deferred_fraction: float = 0.0) -> RankModelStates:
+                             pipeline_zero2: bool = False, deferred_fraction: float = 0.0,
+                             tied_numel: int = 0) -> RankModelStates:
     """Model-state bytes of one rank holding parameters of sizes `numels` (see the module table);
-    `pipeline_zero2`: ZeRO-2 with pp > 1 through `hybrid3d.pipeline_zero2` (bf16 + fp32 accumulation)."""
+    `pipeline_zero2`: ZeRO-2 with pp > 1 through `hybrid3d.pipeline_zero2` (bf16 + fp32 accumulation), where a
+    rank holding a copy of a tied weight (`tied_numel` elements) also sums its gradient across stages after the
+    last backward, in fp32 chunks of min(B, `TIED_SUM_CHUNK_ELEMENTS`, the weight) elements."""
     wrapper = optimizer_wrapper(zero, precision, pp)
     psi, k = sum(numels), len(numels)
     lp = 4 if precision == "fp32" else 2
@@ -221,6 +225,10 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
         deferred = _pipeline_zero2_deferred(numels, deferred_fraction)
         mine = _params_in_partition(numels, part, dp_rank)
         grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
+        if tied_numel:  # the cross-stage sum, before the deferred gradients are released
+            accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
+            chunk = min(reduce_bucket_size, TIED_SUM_CHUNK_ELEMENTS, tied_numel)
+            grads = max(grads, 4 * part + accumulators + 4 * chunk)
     elif precision == "bf16+fp32acc":
         grads = 4 * part + bucket
     else:
@@ -330,8 +338,10 @@ def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, p
     With `schedule` "interleaved" (`virtual` chunks per rank) or "dualpipev" `stage` is the pipeline rank,
     which holds several stages (`rank_parameter_numels`)."""
     numels = rank_parameter_numels(shape, tp, pp, stage, schedule, virtual)
+    holds_tied = shape.tie_word_embeddings and pp > 1 and stage in (0, pp - 1)  # 1F1B: pipeline_zero2's schedule
+    tied = padded_vocab_size(shape.vocab_size, tp, shape.vocab_pad_multiple) // tp * shape.hidden_size
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
-                                    pipeline_zero2, deferred_fraction)
+                                    pipeline_zero2, deferred_fraction, tied if holds_tied else 0)
 
 
 @lru_cache(maxsize=4096)

@@ -55,6 +55,7 @@ class TwoHosts:
         self.netns = tuple(f"h3d{os.getpid()}n{i}" for i in range(2))  # unique per test process
         self.ssh_config = tmp / "ssh_config"
         self.sshd: list[subprocess.Popen] = []
+        self.made_run_sshd = False
 
     def in_host(self, node: int, cmd: list[str]) -> list[str]:
         """`cmd` run on host `node`: in its network namespace, in a fresh UTS namespace named like the host."""
@@ -90,6 +91,7 @@ class TwoHosts:
         for name in ("host", "client"):
             _run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(keys / name)])
         shutil.copy(keys / "client.pub", keys / "authorized_keys")
+        self.made_run_sshd = not Path("/run/sshd").exists()
         Path("/run/sshd").mkdir(exist_ok=True)  # sshd's privilege-separation directory
         for node, addr in enumerate(ADDRS):
             config = self.tmp / f"sshd_{node}.conf"
@@ -136,6 +138,8 @@ class TwoHosts:
             for pid in pids:
                 _kill(int(pid), signal.SIGKILL)
             _run(["ip", "netns", "del", ns], check=False)  # also removes the veth pair
+        if self.made_run_sshd:
+            shutil.rmtree("/run/sshd", ignore_errors=True)
 
 
 def _kill(pid: int, sig: int) -> None:

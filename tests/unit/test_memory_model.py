@@ -176,3 +176,19 @@ def test_zero_partitions_over_the_sequence_data_parallel_group():
     assert sum(stage_parameter_numels(G, 1, 1, 0)) == psi == 106816
     assert rank_model_states(G, 1, 1, 2 * 2, 1, "bf16+fp32acc").peak.total == 11 * psi + 4
     assert rank_model_states(G, 1, 1, 2, 1, "bf16+fp32acc").peak.total == 14 * psi + 4
+
+
+def test_pipeline_zero2_counts_the_tied_gradient_sum_chunk():
+    """pipeline_zero2 sums a tied weight's gradient across stages in fp32 chunks of at most 2**24 elements
+    (64 MiB), whatever reduce_bucket_size says: a rank holding the tied embedding of a 1B model (262M elements)
+    needs that chunk, not the 1 GB a bucket-sized buffer would take."""
+    from hybrid3d.ds_internals import TIED_SUM_CHUNK_ELEMENTS
+    from hybrid3d.planning.memory import model_states_from_numels
+
+    numels = [1000] * 8
+    plain = model_states_from_numels(numels, 8, 2, "bf16+fp32acc", 4, gas=4, reduce_bucket_size=500_000_000,
+                                     pipeline_zero2=True)
+    tied = model_states_from_numels(numels, 8, 2, "bf16+fp32acc", 4, gas=4, reduce_bucket_size=500_000_000,
+                                    pipeline_zero2=True, tied_numel=128256 * 2048)
+    assert tied.boundary.grads - plain.boundary.grads <= 4 * TIED_SUM_CHUNK_ELEMENTS
+    assert tied.boundary.grads >= 4 * TIED_SUM_CHUNK_ELEMENTS > plain.boundary.grads
