@@ -1,9 +1,9 @@
 """Crash-safe checkpoint commits and integrity checks.
 
 Commit protocol: every rank saves DeepSpeed's files into `<save_dir>/<tag>.incomplete` (DeepSpeed's
-own `latest` is not written); after a barrier rank 0 records a manifest (file -> bytes) in the
-tag's hybrid3d.json, renames the folder to `<tag>` (atomic on POSIX file systems) and replaces
-`latest` atomically. A crash at any point leaves `latest` naming the previous complete tag; an
+own `latest` is not written) and fsyncs them; after a barrier rank 0 checks every rank's files in its own
+view, records a manifest (file -> bytes) in the tag's hybrid3d.json, renames the folder to `<tag>` (atomic on
+POSIX file systems) and replaces `latest` atomically, each step fsync'ed before the next. A crash at any point leaves `latest` naming the previous complete tag; an
 `.incomplete` folder is never loaded and is removed by the next save of that step.
 
 At load the manifest catches missing and truncated files before DeepSpeed opens anything, and
@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid3d.checkpoint.files import MANIFEST_KEY, META_FILE, read_meta, write_meta
+from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
+from hybrid3d.errors import CheckpointError
 
 INCOMPLETE_SUFFIX = ".incomplete"
 
@@ -35,19 +37,34 @@ def prepare_staging(save_dir: Path, tag: str, meta: dict) -> None:
     write_meta(staging, meta)
 
 
-def commit(save_dir: Path, tag: str) -> Path:
-    """Rank 0, after every rank saved: manifest, rename into place, then `latest`."""
+def commit(save_dir: Path, tag: str, written: Optional[dict] = None) -> Path:
+    """Rank 0, after every rank saved and fsync'ed its files: check them, manifest, rename into place, `latest`.
+
+    `written` ({path: bytes} of every rank, `ds_internals.durable_save.record_saves`): each file must be in rank
+    0's view with the size its writer saw, else CheckpointError (a file system that shows other nodes' writes late
+    would otherwise commit a tag missing them). Each step is made durable before the next: the manifest, the
+    folder's entries, the rename (in save_dir), `latest`."""
     staging, final = save_dir / staging_tag(tag), save_dir / tag
+    for path, size in sorted((written or {}).items()):
+        seen = Path(path).stat().st_size if Path(path).is_file() else None
+        if seen != size:
+            raise CheckpointError(f"{path}: written with {size} bytes but rank 0 sees "
+                                  f"{'no file' if seen is None else f'{seen} bytes'}; not committing {tag} "
+                                  "(save_dir must be one file system every node sees alike, docs/reliability.md)")
     meta = read_meta(staging) or {}
     meta[MANIFEST_KEY] = {str(p.relative_to(staging)): p.stat().st_size
                           for p in sorted(staging.rglob("*")) if p.is_file() and p.name != META_FILE}
     write_meta(staging, meta)
+    fsync_dir(staging)
     if final.exists():  # the same step saved again (e.g. a resumed run stopping where it started)
         shutil.rmtree(final)
     os.replace(staging, final)
+    fsync_dir(save_dir)
     latest_tmp = save_dir / ".latest.tmp"
     latest_tmp.write_text(tag)
+    fsync_file(latest_tmp)
     os.replace(latest_tmp, save_dir / "latest")
+    fsync_dir(save_dir)
     return final
 
 

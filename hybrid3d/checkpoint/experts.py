@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from hybrid3d.ds_internals.durable_save import fsync_file
 from hybrid3d.errors import CheckpointError
 
 EXPERT_PARAM = ".mlp.experts."  # hybrid3d's expert parameter names: `<i>.mlp.experts.<e>.<proj>.weight`
@@ -29,9 +30,12 @@ def expert_files(tag_dir, mp_rank: int) -> list[Path]:
     return sorted(Path(tag_dir).glob(f"experts_ep_rank_*_mp_rank_{mp_rank:02d}_model_states.pt"))
 
 
-def save_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> None:
+def save_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> dict:
+    """Write (and fsync) this rank's expert file: {path: bytes}."""
     state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
-    torch.save(state, expert_file(tag_dir, ep_rank, mp_rank))
+    path = expert_file(tag_dir, ep_rank, mp_rank)
+    torch.save(state, path)
+    return {str(path): fsync_file(path)}
 
 
 def load_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> None:

@@ -8,6 +8,8 @@ import shutil
 from pathlib import Path
 from typing import Optional
 
+from hybrid3d.ds_internals.durable_save import fsync_file
+
 META_FILE = "hybrid3d.json"  # per tag: layout, step, model config; readable without unpickling
 HF_FILES_DIR = "hf"  # per save_dir: the HF config and tokenizer, for export back to HF
 TAG_PREFIX = "global_step"
@@ -19,8 +21,10 @@ def tag_for_step(step: int) -> str:
 
 
 def write_meta(tag_dir: Path, meta: dict) -> None:
+    """Replace the tag's hybrid3d.json atomically and durably (written, fsync'ed, renamed)."""
     tmp = tag_dir / f".{META_FILE}.tmp"
     tmp.write_text(json.dumps(meta, indent=1, default=str))
+    fsync_file(tmp)
     os.replace(tmp, tag_dir / META_FILE)
 
 

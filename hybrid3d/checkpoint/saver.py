@@ -46,11 +46,12 @@ class CheckpointSaver:
         if self.is_rank0:
             prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})
         dist.barrier()
-        self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
-                          client_state={"hybrid3d": {"step": step, "samples_consumed": samples, "rng": rng}})
-        dist.barrier()  # every rank's files are on disk before the commit
+        mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
+                                 client_state={"hybrid3d": {"step": step, "samples_consumed": samples, "rng": rng}})
+        written = [None] * dist.get_world_size()
+        dist.all_gather_object(written, mine)  # also the barrier: every rank's files are on disk before the commit
         if self.is_rank0:
-            commit(self.save_dir, tag)
+            commit(self.save_dir, tag, {path: size for files in written for path, size in files.items()})
             prune_checkpoints(self.save_dir, self.keep_last, step)
         dist.barrier()
         return self.save_dir / tag

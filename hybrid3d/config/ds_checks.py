@@ -67,6 +67,18 @@ def check_zero_and_precision(ds: dict, pp: int, pipeline_zero2: bool = False) ->
                           "(DeepSpeed's BF16_Optimizer shards fp32 masters over data parallel)")
 
 
+def check_checkpoint_engine(ds: dict) -> None:
+    """hybrid3d's commit (checkpoint/commit.py) needs every file written and fsync'ed when the engine's save
+    returns; DeepSpeed's fast and decoupled writers (`checkpoint.writer`) and DataStates (`datastates_ckpt`)
+    write in the background."""
+    if ds.get("checkpoint", {}).get("writer") is not None:
+        raise ConfigError("checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported: "
+                          "hybrid3d commits a checkpoint only once every file is on disk; remove the key")
+    if ds.get("datastates_ckpt", {}).get("enabled", False):
+        raise ConfigError("datastates_ckpt.enabled (asynchronous DataStates checkpoints) is not supported: "
+                          "hybrid3d commits a checkpoint only once every file is on disk; remove the key")
+
+
 def check_nonfinite_policy(ds: dict, policy: str) -> None:
     """'skip' relies on DeepSpeed's optimizer wrappers, which skip a step whose gradient norm is not
     finite (BF16_Optimizer, DeepSpeedZeroOptimizer); plain fp32 without ZeRO has no wrapper."""

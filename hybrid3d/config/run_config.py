@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
     check_expert_parallel,
+    check_checkpoint_engine,
     check_nonfinite_policy,
     check_pipeline_schedule,
     check_pipeline_zero2,
@@ -93,5 +94,6 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_pipeline_zero2(ds, hybrid)
     check_expert_parallel(ds, hybrid, world_size // (tp * pp * cp))
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
+    check_checkpoint_engine(ds)
     check_activation_checkpointing(ds, pp, num_layers, on_cpu)
     return RunConfig(hybrid=hybrid, ds_config=ds)

@@ -30,6 +30,7 @@ from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig, parse_config
 from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
+from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.errors import LayoutError
@@ -91,17 +92,20 @@ class Trainer:
         raise NotImplementedError
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-             save_latest: bool = True) -> None:
+             save_latest: bool = True) -> dict:
         """DeepSpeed's checkpoint; with expert parallelism plus each expert-parallel rank's experts
-        (checkpoint/experts.py)."""
+        (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed."""
         self._check_expert_checkpoint()
-        self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+        written = {}
+        with record_saves(self.engine, written):
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
         if self.layout.ep > 1:
             tag_dir = Path(save_dir) / (tag or f"global_step{self.engine.global_steps}")
             if self.groups.get_data_parallel_rank() < self.layout.ep:  # expert-data-parallel rank 0
-                save_experts(self.module, tag_dir, self.groups.expert_parallel().rank,
-                             self.groups.get_model_parallel_rank())
+                written.update(save_experts(self.module, tag_dir, self.groups.expert_parallel().rank,
+                                            self.groups.get_model_parallel_rank()))
             dist.barrier()
+        return written
 
     def load(self, load_dir: str, tag: Optional[str] = None, module_only: Optional[bool] = None, **kwargs) -> dict:
         """Load a checkpoint. `module_only` (None: detect it) loads the weights alone, keeping the

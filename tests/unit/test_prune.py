@@ -54,3 +54,53 @@ def test_a_killed_or_stale_universal_conversion_is_not_reused(tmp_path, monkeypa
     (tag / "hybrid3d.json").write_text(json.dumps({"step": 4, "branch": "b"}))  # the tag saved again, elsewhere
     universal.convert_to_universal(plan)
     assert len(runs) == 2
+
+
+def test_commit_checks_every_ranks_files_and_makes_each_step_durable(tmp_path, monkeypatch):
+    """The commit refuses a tag when a file another rank wrote is missing or shorter in rank 0's view (leaving
+    `latest` where it was), and fsyncs the manifest, the tag folder, the rename and `latest` in that order."""
+    import os
+
+    import pytest
+
+    from hybrid3d.checkpoint import commit as commit_module
+    from hybrid3d.checkpoint.commit import commit, prepare_staging
+    from hybrid3d.errors import CheckpointError
+
+    (tmp_path / "latest").write_text("global_step4")
+    prepare_staging(tmp_path, "global_step8", {"step": 8})
+    shard = tmp_path / "global_step8.incomplete" / "mp_rank_00_model_states.pt"
+    shard.write_bytes(b"x" * 10)
+    with pytest.raises(CheckpointError, match="written with 12 bytes but rank 0 sees 10 bytes"):
+        commit(tmp_path, "global_step8", {str(shard): 12})
+    with pytest.raises(CheckpointError, match="rank 0 sees no file"):
+        commit(tmp_path, "global_step8", {str(shard.with_name("other.pt")): 3})
+    assert (tmp_path / "latest").read_text() == "global_step4"
+
+    synced = []
+    real_file, real_dir = commit_module.fsync_file, commit_module.fsync_dir
+    monkeypatch.setattr(commit_module, "fsync_file", lambda p: synced.append(("file", os.path.basename(p))) or
+                        real_file(p))
+    monkeypatch.setattr(commit_module, "fsync_dir", lambda p: synced.append(("dir", os.path.basename(p))) or
+                        real_dir(p))
+    commit(tmp_path, "global_step8", {str(shard): 10})
+    assert synced == [("dir", "global_step8.incomplete"), ("dir", tmp_path.name), ("file", ".latest.tmp"),
+                      ("dir", tmp_path.name)]
+    assert (tmp_path / "latest").read_text() == "global_step8"
+
+
+def test_record_saves_fsyncs_and_reports_what_the_engine_writes(tmp_path):
+    from types import SimpleNamespace
+
+    from hybrid3d.ds_internals.durable_save import record_saves
+
+    def save(state_dict, path):
+        with open(path, "wb") as f:
+            f.write(state_dict)
+
+    engine = SimpleNamespace(checkpoint_engine=SimpleNamespace(save=save))
+    written = {}
+    with record_saves(engine, written):
+        engine.checkpoint_engine.save(b"abc", tmp_path / "a.pt")
+    engine.checkpoint_engine.save(b"abcd", tmp_path / "b.pt")  # outside the block: not recorded
+    assert written == {str(tmp_path / "a.pt"): 3}

@@ -81,6 +81,10 @@ BAD_INPUTS = [
     ("skip-without-overflow-check", lambda c: (h(c)["train"].update(on_nonfinite="skip"),
                                                c.update(bf16={"enabled": True, "check_grad_overflow": False})),
      None, [], 4, "hybrid3d.train.on_nonfinite='skip' needs bf16.check_grad_overflow true"),
+    ("async-checkpoint-writer", lambda c: c.update(checkpoint={"writer": {"type": "fast"}}), None, [], 4,
+     "checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported"),
+    ("datastates-checkpoints", lambda c: c.update(datastates_ckpt={"enabled": True}), None, [], 4,
+     "datastates_ckpt.enabled (asynchronous DataStates checkpoints) is not supported"),
     ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
     # Sequence and context parallelism: the combinations that cannot work.
