@@ -179,3 +179,62 @@ def test_nan_with_stop_policy_stops_without_saving_it(tmp_path):
     assert "global_step2" in errors[0]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text() == "global_step2" and not (checkpoints / "global_step3").exists()
+
+
+def killed_in(fault: dict, config: Path, tmp_path: Path, *args: str) -> str:
+    """Run the job with `fault`, kill -9 rank 0 once it reports being there, wait for the launcher to end."""
+    marker = tmp_path / "at_fault"
+    proc = subprocess.Popen(deepspeed_command(4, config, *args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, cwd=tmp_path, env=fault_env({**fault, "marker": str(marker)}))
+    assert wait_for(marker.exists, proc), proc.communicate()[0][-3000:]
+    rank_process(proc, 0).send_signal(signal.SIGKILL)
+    output, _ = proc.communicate(timeout=120)
+    assert proc.returncode != 0, output[-3000:]
+    return marker.read_text()
+
+
+@pytest.mark.parametrize("fault, latest", [
+    ({"kind": "pause_in_commit", "phase": "manifest"}, "global_step4"),
+    ({"kind": "pause_in_commit", "phase": "rename"}, "global_step4"),
+    ({"kind": "pause_in_commit", "phase": "latest"}, "global_step4"),
+    ({"kind": "pause_in_prune"}, "global_step8"),
+], ids=["before-manifest", "before-rename", "before-latest", "during-pruning"])
+def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path, fault, latest):
+    """Rank 0 killed -9 at each phase of committing step 8 (keep_last 1, so the commit prunes step 4): `latest`
+    names a complete tag, and the job resumes from it to the uninterrupted run's losses (from step 4) or
+    evaluates to its last eval loss (from step 8, with step 4 left half-deleted by the pruning)."""
+    config = demo_config(tmp_path)
+    raw = json.loads(config.read_text())
+    raw["hybrid3d"]["checkpoint"]["keep_last"] = 1
+    config.write_text(json.dumps(raw))
+    killed_in(fault, config, tmp_path)
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert (checkpoints / "latest").read_text() == latest
+    if latest == "global_step4":
+        resumed = launch(4, config, "--checkpoint.load", "latest")
+        assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+        losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
+        assert losses[-4:] == [m["loss"] for m in uninterrupted["metrics"]][-4:]
+        assert (checkpoints / "latest").read_text() == "global_step8" and not (checkpoints / "global_step4").exists()
+        return
+    evaluated = launch(4, config, "--checkpoint.load", "latest", "--eval-only")
+    assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", evaluated.stdout).group(1))
+    assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)
+
+
+def test_kill_9_during_the_universal_conversion_is_redone(uninterrupted, tmp_path):
+    """Rank 0 killed -9 after DeepSpeed's converter ran but before the result was marked complete: the next
+    resume at the other layout converts again and evaluates to the uninterrupted run's last eval loss."""
+    checkpoints = copy_checkpoint(uninterrupted, tmp_path)
+    args = ("--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2",
+            "--checkpoint.load", str(checkpoints), "--eval-only")
+    killed_in({"kind": "pause_in_universal"}, uninterrupted["config"], tmp_path, *args)
+    assert (checkpoints / "global_step8_universal.incomplete").is_dir()
+    assert not (checkpoints / "global_step8_universal").exists()
+    result = launch(4, uninterrupted["config"], *args)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
+    assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)
+    assert (checkpoints / "global_step8_universal" / "hybrid3d_universal.json").is_file()
+    assert not (checkpoints / "global_step8_universal.incomplete").exists()

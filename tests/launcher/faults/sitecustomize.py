@@ -6,6 +6,9 @@ HYBRID3D_TEST_FAULT (JSON) selects one fault; nothing here runs without it:
   kill -9 it in the middle of a save.
 - {"kind": "nan_loss", "call": N}: the N-th call (1-based) of the language-model loss on each
   rank returns NaN, as a numerical blow-up would.
+- {"kind": "pause_in_commit", "phase": "manifest" | "rename" | "latest", "marker": PATH},
+  {"kind": "pause_in_prune", "marker": PATH}, {"kind": "pause_in_universal", "marker": PATH}: the rank that
+  commits, prunes or converts (rank 0) creates PATH and sleeps at that point, so the test can kill -9 it there.
 """
 
 import importlib.abc
@@ -63,7 +66,81 @@ def _nan_loss(llama):
     llama.LanguageModelLoss.__call__ = call
 
 
-if FAULT and FAULT["kind"] == "pause_in_save":
+def _pause(reason: str) -> None:
+    """Tell the test where this rank is (the marker file) and wait to be killed."""
+    with open(FAULT["marker"], "w") as f:
+        f.write(reason)
+    time.sleep(600)
+
+
+def _pause_in_commit(commit):
+    """Rank 0's commit of global_step8 (checkpoint/commit.py): 'manifest' before the manifest is written,
+    'rename' with the manifest written but the folder not renamed, 'latest' with the folder renamed and the new
+    `latest` written to its temporary name but not moved into place."""
+    phase, write_meta, fsync_dir, fsync_file = FAULT["phase"], commit.write_meta, commit.fsync_dir, commit.fsync_file
+
+    def meta(tag_dir, content):
+        if phase == "manifest" and commit.MANIFEST_KEY in content and "global_step8" in str(tag_dir):
+            _pause(phase)
+        return write_meta(tag_dir, content)
+
+    def sync_dir(path):
+        if phase == "rename" and str(path).endswith("global_step8.incomplete"):
+            _pause(phase)
+        return fsync_dir(path)
+
+    def sync_file(path):
+        if phase == "latest" and str(path).endswith(".latest.tmp") and open(path).read() == "global_step8":
+            _pause(phase)
+        return fsync_file(path)
+
+    commit.write_meta, commit.fsync_dir, commit.fsync_file = meta, sync_dir, sync_file
+
+
+def _pause_in_prune(files):
+    """Pruning (checkpoint/files.py): the first tag to go loses one file, then the rank waits: a half-deleted tag."""
+    real = files.shutil
+
+    class Shutil:  # the module, with `rmtree` stopping half-way
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def rmtree(path, *args, **kwargs):
+            victim = next((p for p in sorted(os.listdir(path)) if p.endswith(".pt")), None)
+            if victim:
+                os.remove(os.path.join(path, victim))
+            _pause("prune")
+            return real.rmtree(path, *args, **kwargs)
+
+    files.shutil = Shutil()
+
+
+def _pause_in_universal(universal):
+    """The universal conversion (checkpoint/universal.py): DeepSpeed's converter has run, the result is neither
+    marked nor renamed into place."""
+    real = universal.subprocess
+
+    class Subprocess:  # the module, with `run` pausing after it returns
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        @staticmethod
+        def run(*args, **kwargs):
+            result = real.run(*args, **kwargs)
+            _pause("universal")
+            return result
+
+    universal.subprocess = Subprocess()
+
+
+if FAULT and FAULT["kind"] == "pause_in_commit":
+    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.commit", _pause_in_commit))
+elif FAULT and FAULT["kind"] == "pause_in_prune":
+    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.files", _pause_in_prune))
+elif FAULT and FAULT["kind"] == "pause_in_universal":
+    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.universal", _pause_in_universal))
+elif FAULT and FAULT["kind"] == "pause_in_save":
     sys.meta_path.insert(0, _PatchAfterImport("torch", _pause_in_save))
 elif FAULT and FAULT["kind"] == "nan_loss":
     sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.model.llama", _nan_loss))
