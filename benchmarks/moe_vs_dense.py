@@ -28,6 +28,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
+    classify_comms,
     environment,
     environment_markdown,
     measure_second_step,
@@ -93,8 +94,7 @@ def run_config(run: dict, steps: int) -> dict:
     probe = PeakProbe(trainer.engine)
     data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())
     comms = measure_second_step(trainer, data, probe)
-    all_to_all = sum(int(size) * entry[0] for op, sizes in comms.items() if op.startswith("all_to_all_single")
-                     for size, entry in sizes.items())
+    all_to_all = classify_comms(comms)[1].get("all_to_all_single", 0)  # no caller names: by op
     times = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
     result = {"stage": trainer.groups.stage_id, "engine": type(trainer.engine).__name__,
               "params": sum(p.numel() for p in trainer.module.parameters()),

@@ -2,9 +2,10 @@
 
 Commit protocol: every rank saves DeepSpeed's files into `<save_dir>/<tag>.incomplete` (DeepSpeed's
 own `latest` is not written) and fsyncs them; after a barrier rank 0 checks every rank's files in its own
-view, records a manifest (file -> bytes) in the tag's hybrid3d.json, renames the folder to `<tag>` (atomic on
-POSIX file systems) and replaces `latest` atomically, each step fsync'ed before the next. A crash at any point leaves `latest` naming the previous complete tag; an
-`.incomplete` folder is never loaded and is removed by the next save of that step.
+view, records a manifest (file -> bytes) in the tag's hybrid3d.json, renames the folder to `<tag>` (atomic
+on POSIX file systems) and replaces `latest` atomically, each step fsync'ed before the next. A crash at any
+point leaves `latest` naming the previous complete tag; an `.incomplete` folder is never loaded and is
+removed by the next save of that step.
 
 At load the manifest catches missing and truncated files before DeepSpeed opens anything, and
 the ranks CRC-check every `.pt` archive (torch.save writes zip files with a CRC-32 per member),

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from deepspeed.checkpoint import constants as uc
 
+from hybrid3d.checkpoint.files import META_FILE
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.model.tp_plan import REPLICATED, ROW, VOCAB
@@ -45,8 +46,8 @@ UNIVERSAL_MARKER = "hybrid3d_universal.json"  # written last: the conversion fin
 def universal_source_id(tag_dir: Path) -> str:
     """What identifies the converted tag: the sha256 of its hybrid3d.json (step, samples, manifest of sizes), so
     a `<tag>_universal` left by another branch of history that reused the tag name is not taken for this one."""
-    meta = tag_dir / "hybrid3d.json"
-    return hashlib.sha256(meta.read_bytes()).hexdigest() if meta.is_file() else "no hybrid3d.json"
+    meta = tag_dir / META_FILE
+    return hashlib.sha256(meta.read_bytes()).hexdigest() if meta.is_file() else f"no {META_FILE}"
 
 
 def convert_to_universal(plan) -> Path:

@@ -3,11 +3,11 @@
 hybrid3d uses DeepSpeed's public API everywhere else. The modules here read or replace internals
 that DeepSpeed may change in any release (PipelineEngine's instruction table and ZeRO-2 bookkeeping
 in pipeline_zero2.py, the interleaved schedule's module and engine in interleaved_pipeline.py, the fp32
-pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in memory_probe.py, the expert groups and
-the engine's MoE detection in experts.py, the backward pass of tuple-output stages in tuple_backward.py, the checkpoint engine's file writes in
-durable_save.py, the CPU
-shared-memory segments in shm_buffers.py, PipelineModule's stage bounds below), so they are written and tested against one
-version: `check_deepspeed_version()` turns any other into one line at start-up.
+pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in memory_probe.py, the expert groups
+and the engine's MoE detection in experts.py, the backward pass of tuple-output stages in tuple_backward.py,
+the checkpoint engine's file writes in durable_save.py, the CPU shared-memory segments in shm_buffers.py,
+PipelineModule's stage bounds below), so they are written and tested against one version:
+`check_deepspeed_version()` turns any other into one line at start-up.
 """
 
 from contextlib import contextmanager

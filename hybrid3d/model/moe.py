@@ -2,8 +2,8 @@
 
 Each token goes to the k of E SwiGLU experts with the highest router probability; the output is the
 sum of their outputs weighted by those k probabilities renormalised to sum to 1. By default every token is
-processed (no capacity limit, nothing dropped; `hybrid3d.expert_capacity_factor` sets one, `capacity_keep`): each expert runs on the tokens routed to it
-(index_select, then index_add into the output), the order of operations of HF's
+processed (no capacity limit, nothing dropped; `hybrid3d.expert_capacity_factor` sets one, `capacity_keep`):
+each expert runs on the tokens routed to it (index_select, then index_add into the output), the order of operations of HF's
 `MixtralSparseMoeBlock`, so fp32 results equal it.
 
 Load balancing (Switch Transformer, Fedus et al. 2022, eqs. 4-6; GShard, Lepikhin et al. 2021, §2.2):
@@ -75,6 +75,11 @@ def load_balancing_loss(router_stats: torch.Tensor, num_experts: int) -> torch.T
     return torch.sum((counts / rows) * (prob_sums / rows)) * num_experts
 
 
+def expert_capacity(assignments: int, num_experts: int, capacity_factor: float) -> int:
+    """Assignments one expert takes of a rank's `assignments` (n·k) at `capacity_factor`: ceil(c·n·k / E)."""
+    return math.ceil(capacity_factor * assignments / num_experts)
+
+
 def capacity_keep(indices: torch.Tensor, num_experts: int, capacity_factor: Optional[float]) -> Optional[torch.Tensor]:
     """Which assignments an expert capacity keeps: indices (n, k) -> (n, k) bool, None without a capacity.
 
@@ -85,7 +90,7 @@ def capacity_keep(indices: torch.Tensor, num_experts: int, capacity_factor: Opti
     if capacity_factor is None:
         return None
     n, k = indices.shape
-    capacity = math.ceil(capacity_factor * n * k / num_experts)
+    capacity = expert_capacity(n * k, num_experts, capacity_factor)
     flat = indices.reshape(-1)  # (a,) assignments in (token, slot) order
     order = torch.argsort(flat, stable=True)  # grouped by expert, in (token, slot) order within each
     counts = torch.bincount(flat, minlength=num_experts)

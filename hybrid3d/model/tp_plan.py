@@ -143,10 +143,12 @@ def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = F
                       pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
                       capacity_factor: Optional[float] = None) -> None:
     """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
-    travel between stages as the second tensor of the activation tuple; DeepSpeed's PipelineEngine runs backward
-    once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant checkpointing
-    cannot do (its saved tensors are freed by the first), so a pipeline checkpoints MoE blocks non-reentrantly.
-    Sequence parallelism, the other schedules and `pipeline_zero2` are untested with experts."""
+    travel between stages as the second tensor of the activation tuple. DeepSpeed's own PipelineEngine ran
+    backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
+    checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's engine for MoE stages runs
+    one pass (ds_internals/tuple_backward.py), but reentrant checkpointing under it is untested, so a pipeline
+    still checkpoints MoE blocks non-reentrantly. Sequence parallelism, the other schedules and
+    `pipeline_zero2` are untested with experts."""
     if capacity_factor is not None and not (shape.is_moe and capacity_factor > 0):
         raise ConfigError(f"hybrid3d.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
                           "mixture-of-experts model")
@@ -159,4 +161,4 @@ def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = F
                           "hybrid3d.pipeline_zero2 only for now")
     if pp > 1 and checkpoint_interval and use_reentrant:
         raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
-                          "pipeline.activation_checkpoint_interval (the activation tuple is backpropagated per tensor)")
+                          "pipeline.activation_checkpoint_interval (reentrant checkpointing of the activation tuple is untested)")

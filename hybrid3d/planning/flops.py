@@ -4,8 +4,8 @@
 
 N is the number of parameters that take part in matrix multiplies: every decoder-block weight plus the
 LM head (V·h, also when tied to the embedding); in a mixture-of-experts block only the k experts a token is
-routed to, and the router (E·h), count: Mixtral 8x7B's "12.9B active of 46.7B" (Jiang et al. 2024); the embedding lookup and the RMSNorm weights are not
-matmuls and are left out. 6N is forward (2N) plus backward (4N); 12·L·h·s is attention's QKᵀ and
+routed to, and the router (E·h), count: Mixtral 8x7B's "12.9B active of 46.7B" (Jiang et al. 2024); the
+embedding lookup and the RMSNorm weights are not matmuls and are left out. 6N is forward (2N) plus backward (4N); 12·L·h·s is attention's QKᵀ and
 attention-times-V (2·2·s·h per token per layer forward, x3 for training), counted over the full s x s
 score matrix as PaLM does (a causal kernel skips about half of it). Activation recomputation is
 excluded: MFU counts the model's FLOPs, not the hardware's (Korthikanti et al. 2022, §5).

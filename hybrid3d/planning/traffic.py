@@ -66,9 +66,8 @@ false}`): each TP rank already holds a (b, s/t, h) sequence shard and sends just
 with no pipeline all-gather.
 """
 
-import math
-
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.moe import expert_capacity
 from hybrid3d.model.tp_plan import kv_heads_split
 from hybrid3d.planning.activations import cp_kv_heads, sequence_chunk, stage_layer_count
 from hybrid3d.planning.memory import TORCH, UNFUSED, aligned_numel, optimizer_wrapper, stage_parameter_numels
@@ -157,7 +156,7 @@ def ep_bytes_per_step(shape: LlamaShape, b: int, s: int, ep: int, pp: int, stage
         return 0
     assignments = b * s * shape.experts_per_token  # n·k
     if shape.expert_capacity_factor is not None:
-        per_expert = math.ceil(shape.expert_capacity_factor * assignments / shape.num_experts)
+        per_expert = expert_capacity(assignments, shape.num_experts, shape.expert_capacity_factor)
         assignments = min(assignments, shape.num_experts * per_expert)
     rows = assignments * shape.hidden_size * act_bytes  # rows of h
     forward = 8 * shape.num_experts + 2 * rows

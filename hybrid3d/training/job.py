@@ -248,7 +248,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         loss = trainer.train_step(micro_batches(data.train, first, batch, dp_rank, layout.dp, config.micro_batch_size))
         get_accelerator().synchronize()
         step_time = time.perf_counter() - started
-        routing = trainer.router_metrics()  # {} for a dense model
+        extra = {"samples_consumed": cursor.samples_consumed, **trainer.router_metrics()}  # routing: MoE only
         step += 1
         grad_norm = trainer.engine.get_global_grad_norm()
         grad_norm = float(grad_norm) if grad_norm is not None else None
@@ -256,11 +256,10 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         try:
             warning = nonfinite.check(loss, grad_norm, step, last_checkpoint=saves.last_path())
         except NonFiniteError:
-            logger.record(step, loss, lr, grad_norm, step_time, extra={"samples_consumed": cursor.samples_consumed,
-                                                                       **routing})
+            logger.record(step, loss, lr, grad_norm, step_time, extra=extra)
             raise
         if warning and not weights_are_finite(trainer.module):  # 'skip' said the update was dropped: was it?
-            logger.record(step, loss, lr, grad_norm, step_time)
+            logger.record(step, loss, lr, grad_norm, step_time, extra=extra)
             raise NonFiniteError(f"step {step} applied a non-finite update under train.on_nonfinite=skip (the "
                                  f"weights now hold NaN or inf); the last checkpoint is {saves.last_path() or 'none'}")
         if warning:
@@ -271,7 +270,7 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
-                      extra={"samples_consumed": cursor.samples_consumed, **routing})
+                      extra=extra)
         if saves.due(step):
             save(step)
         if stop.agreed():

@@ -142,6 +142,8 @@ def run_one(run: dict, model_dir: str) -> dict:
     dp_rank, dp = trainer.groups.data_shard()
     from deepspeed.comm import comms_logger
 
+    from tests.distributed.sequence_worker import comm_bytes_by_caller
+
     losses, norms, routing = [], [], []
     for step in range(STEPS):
         if step == STEPS - 1:  # log the last step's collectives: its all-to-all bytes against the traffic model
@@ -167,8 +169,8 @@ def run_one(run: dict, model_dir: str) -> dict:
         "losses": losses,
         "norms": norms,
         "routing": routing,
-        "all_to_all_bytes": sum(int(size) * entry[0] for op, sizes in comms_logger.comms_dict.items()
-                                if op.startswith("all_to_all_single") for size, entry in sizes.items()),
+        "all_to_all_bytes": sum(size for (op, _), size in comm_bytes_by_caller(comms_logger.comms_dict).items()
+                                if op == "all_to_all_single"),
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "experts": sorted({tuple(int(e) for e, _ in m.named_children()) for m in trainer.module.modules()

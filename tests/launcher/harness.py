@@ -64,12 +64,33 @@ def layer_states(tag_dir: Path) -> dict:
             for p in sorted(tag_dir.glob("layer_*-model_states.pt"))}
 
 
-def resume_copy(num_gpus: int, config: Path, run_dir: Path, tag: str, out_dir: Path) -> subprocess.CompletedProcess:
-    """Copy checkpoint `tag` (and the run's `hf` folder) of `run_dir` into `out_dir`/checkpoints as its `latest`,
-    and run the job again from it with `out_dir` as the output folder."""
+def copy_checkpoint(run_dir: Path, tag: str, out_dir: Path) -> None:
+    """Copy checkpoint `tag` (and the run's `hf` folder) of `run_dir` into `out_dir`/checkpoints as its `latest`."""
     target = out_dir / "checkpoints"
     target.mkdir(parents=True)
     for name in (tag, "hf"):
         shutil.copytree(run_dir / "checkpoints" / name, target / name)
     (target / "latest").write_text(tag)
+
+
+def resume_copy(num_gpus: int, config: Path, run_dir: Path, tag: str, out_dir: Path) -> subprocess.CompletedProcess:
+    """Run the job again from a copy of checkpoint `tag` of `run_dir` (`copy_checkpoint`), `out_dir` its output."""
+    copy_checkpoint(run_dir, tag, out_dir)
     return launch(num_gpus, config, "--train.output_dir", str(out_dir), "--checkpoint.load", "latest")
+
+
+def config_copy(config: Path, path: Path, output_dir: Path, **hybrid_edits) -> Path:
+    """`config` written to `path` with another train.output_dir (and other `hybrid3d` keys replaced)."""
+    raw = json.loads(config.read_text())
+    raw["hybrid3d"]["train"]["output_dir"] = str(output_dir)
+    raw["hybrid3d"].update(hybrid_edits)
+    path.write_text(json.dumps(raw))
+    return path
+
+
+def launcher_env_by_rank(nodes: int = 2, slots: int = 2) -> list[dict]:
+    """The launcher variables each rank of a job on `nodes` nodes of `slots` ranks gets, numbered node by node
+    (as `placement.json` records them)."""
+    world = nodes * slots
+    return [{"RANK": str(r), "LOCAL_RANK": str(r % slots), "WORLD_SIZE": str(world), "LOCAL_SIZE": str(slots),
+             "CROSS_RANK": str(r // slots), "CROSS_SIZE": str(nodes)} for r in range(world)]

@@ -4,13 +4,13 @@ spans the two nodes (TP inside each, the pipeline across them) and must train ex
 run of the same layout, and resume across them."""
 
 import json
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from tests.launcher.harness import TRAIN, _port, launch_env, read_metrics
+from tests.launcher.harness import (TRAIN, _port, config_copy, copy_checkpoint, launch_env, launcher_env_by_rank,
+                                    read_metrics)
 
 HOSTFILE = "node0 slots=2\nnode1 slots=2\n"
 
@@ -32,10 +32,7 @@ def launch_nodes(config: Path, hostfile: Path, *overrides: str, timeout: int = 6
 
 
 def test_per_node_launch_trains_like_one_host_and_resumes(uninterrupted, tmp_path):
-    config = tmp_path / "config.json"
-    raw = json.loads(uninterrupted["config"].read_text())
-    raw["hybrid3d"]["train"]["output_dir"] = str(tmp_path / "run")
-    config.write_text(json.dumps(raw))
+    config = config_copy(uninterrupted["config"], tmp_path / "config.json", tmp_path / "run")
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(HOSTFILE)
 
@@ -44,9 +41,7 @@ def test_per_node_launch_trains_like_one_host_and_resumes(uninterrupted, tmp_pat
         assert code == 0, output[-4000:]
     # what the launcher gave each rank, as the job recorded it
     places = json.loads((tmp_path / "run" / "placement.json").read_text())
-    assert [p["env"] for p in places] == [
-        {"RANK": str(r), "LOCAL_RANK": str(r % 2), "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": str(r // 2),
-         "CROSS_SIZE": "2"} for r in range(4)]
+    assert [p["env"] for p in places] == launcher_env_by_rank(nodes=2, slots=2)
     assert [(p["stage"], p["tp"]) for p in places] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # TP inside, PP across
     assert "node 1" in nodes[0][1] and "warning" not in nodes[0][1].split("training steps")[0]
     # the same losses as the single-host run, to the bit (fp32; the same ranks do the same work)
@@ -54,10 +49,7 @@ def test_per_node_launch_trains_like_one_host_and_resumes(uninterrupted, tmp_pat
 
     # resume both nodes from the step-4 checkpoint: steps 5-8 again, exactly
     resumed = tmp_path / "resumed"
-    (resumed / "checkpoints").mkdir(parents=True)
-    for name in ("global_step4", "hf"):
-        shutil.copytree(tmp_path / "run" / "checkpoints" / name, resumed / "checkpoints" / name)
-    (resumed / "checkpoints" / "latest").write_text("global_step4")
+    copy_checkpoint(tmp_path / "run", "global_step4", resumed)
     for code, output in launch_nodes(config, hostfile, "--train.output_dir", str(resumed),
                                      "--checkpoint.load", "latest"):
         assert code == 0, output[-4000:]
@@ -70,23 +62,17 @@ def test_losing_a_node_ends_the_job_and_resume_continues_exactly(uninterrupted, 
     and both nodes resume from it to the uninterrupted run's losses."""
     import psutil
 
-    from tests.launcher.test_reliability import fault_env
+    from tests.launcher.test_reliability import fault_env, wait_for
 
-    config = tmp_path / "config.json"
-    raw = json.loads(uninterrupted["config"].read_text())
-    raw["hybrid3d"]["train"]["output_dir"] = str(tmp_path / "run")
-    raw["hybrid3d"]["timeout_seconds"] = 60  # the hang watchdog, the backstop behind gloo's own errors
-    config.write_text(json.dumps(raw))
+    # timeout_seconds: the hang watchdog, the backstop behind gloo's own errors
+    config = config_copy(uninterrupted["config"], tmp_path / "config.json", tmp_path / "run", timeout_seconds=60)
     hostfile = tmp_path / "hostfile"
     hostfile.write_text(HOSTFILE)
     marker = tmp_path / "rank2-in-save"
     env = fault_env({"kind": "pause_in_save", "rank": 2, "match": "global_step8", "marker": str(marker)})
     procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=tmp_path, env=env)
              for cmd in per_node_commands(config, hostfile)]
-    deadline = time.time() + 400
-    while not marker.exists() and time.time() < deadline and procs[0].poll() is None:
-        time.sleep(0.2)
-    assert marker.exists(), procs[0].communicate(timeout=60)[0][-4000:]
+    assert wait_for(marker.exists, procs[0], timeout=400), procs[0].communicate(timeout=60)[0][-4000:]
     node1 = psutil.Process(procs[1].pid)
     for proc in node1.children(recursive=True) + [node1]:
         proc.kill()

@@ -12,7 +12,6 @@ network namespaces, or when sshd/pdsh are missing and cannot be installed.
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -20,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.harness import REPO, TRAIN, _port, launch_env, read_metrics
+from tests.launcher.harness import (REPO, TRAIN, _port, config_copy, copy_checkpoint, launch_env, launcher_env_by_rank,
+                                    read_metrics)
 from tests.launcher.two_hosts import ADDRS, IFNAME, NAMES, TwoHosts, missing_requirement
 
 HOSTFILE = "".join(f"{name} slots=2\n" for name in NAMES)
@@ -38,9 +38,7 @@ def hosts(tmp_path_factory):
 def job_dir(tmp: Path, uninterrupted) -> Path:
     """The single-host run's config with its own output folder, a hostfile, and the `.deepspeed_env` DeepSpeed
     reads from the launch folder (and from ~) and exports on every node."""
-    raw = json.loads(uninterrupted["config"].read_text())
-    raw["hybrid3d"]["train"]["output_dir"] = str(tmp / "run")
-    (tmp / "config.json").write_text(json.dumps(raw))
+    config_copy(uninterrupted["config"], tmp / "config.json", tmp / "run")
     (tmp / "hostfile").write_text(HOSTFILE)
     bin_dir = str(Path(sys.executable).parent)
     # KEY=VALUE lines, no blank ones (DeepSpeed splits every line on '=')
@@ -79,18 +77,14 @@ def test_pdsh_launch_across_two_hosts_trains_like_one_host_and_resumes(hosts, un
     # each rank on the host the hostfile gives it, numbered node by node
     places = json.loads((cwd / "run" / "placement.json").read_text())
     assert [p["host"] for p in places] == ["node0", "node0", "node1", "node1"], places
-    assert [p["env"] for p in places] == [
-        {"RANK": str(r), "LOCAL_RANK": str(r % 2), "WORLD_SIZE": "4", "LOCAL_SIZE": "2", "CROSS_RANK": str(r // 2),
-         "CROSS_SIZE": "2"} for r in range(4)]
+    assert [p["env"] for p in places] == launcher_env_by_rank(nodes=2, slots=2)
     assert [(p["stage"], p["tp"]) for p in places] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # TP inside, PP across
     # the same losses as the single-host run, to the bit (fp32; the same ranks do the same work)
     assert [m["loss"] for m in read_metrics(cwd / "run")] == [m["loss"] for m in uninterrupted["metrics"]]
 
     # resume on both hosts from a copy of the step-4 checkpoint: steps 5-8 again, exactly
     resumed = cwd / "resumed"
-    for name in ("global_step4", "hf"):
-        shutil.copytree(cwd / "run" / "checkpoints" / name, resumed / "checkpoints" / name)
-    (resumed / "checkpoints" / "latest").write_text("global_step4")
+    copy_checkpoint(cwd / "run", "global_step4", resumed)
     code, output = launch_pdsh(hosts, cwd, "--train.output_dir", str(resumed), "--checkpoint.load", "latest",
                                "--train.steps", "8")
     assert code == 0, output[-4000:]
