@@ -10,6 +10,7 @@ from typing import Any, Optional
 from hybrid3d.errors import ConfigError
 
 SECTION = "hybrid3d"
+DATA_FORMATS = ("text", "chat", "prompt_completion")  # hybrid3d.data.formats reads them
 
 
 @dataclass(frozen=True)
@@ -30,6 +31,11 @@ class DataSection:
     seed: int = 1234
     eval_path: Optional[str] = None
     eval_fraction: float = 0.0  # held-out tail of the documents when no eval_path is given
+    # "text" (pre-training), "chat" (a messages column; loss on assistant turns), "prompt_completion" (loss on the
+    # completion); data with input_ids is used as given (+ labels or loss_mask columns: fine-tuning data)
+    format: str = "text"
+    chat_template: Optional[str] = None  # a Jinja chat-template file, for a tokenizer without one (or to replace it)
+    document_mask: bool = False  # packed documents do not attend to each other; positions restart per document
 
 
 @dataclass(frozen=True)
@@ -161,6 +167,8 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
     section = _parse_section(raw.get(SECTION, {}), HybridSection, SECTION)
     if section.data.eval_fraction >= 1:
         raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
+    if section.data.format not in DATA_FORMATS:
+        raise ConfigError(f"{SECTION}.data.format must be one of {', '.join(DATA_FORMATS)}, got {section.data.format!r}")
     if section.train.on_nonfinite not in ("skip", "stop"):
         raise ConfigError(f"{SECTION}.train.on_nonfinite must be 'skip' or 'stop', got {section.train.on_nonfinite!r}")
     model = section.model

@@ -116,7 +116,7 @@ def hybrid_logits_and_loss(trainer, ids, targets):
     import torch
 
     from hybrid3d.model.llama import gather_vocab_logits
-    from hybrid3d.model.moe import split_router_stats
+    from hybrid3d.model.activations import split_activations
 
     tp = trainer.groups.tensor_parallel()
     vocab = trainer.shape.vocab_size
@@ -128,7 +128,7 @@ def hybrid_logits_and_loss(trainer, ids, targets):
         with torch.no_grad():
             local = trainer.module(ids.to(trainer.engine.device))  # (b, s, V_padded/t)
             loss = trainer.module.loss_fn(local, targets.to(trainer.engine.device))
-    local, _ = split_router_stats(local)  # a MoE model's outputs are (logits, router_stats)
+    local, _, _ = split_activations(local)  # a MoE model's outputs are (logits, router_stats)
     with torch.no_grad():
         logits = gather_vocab_logits(local, tp, vocab).cpu()  # (b, s, V)
     return (logits, float(loss)) if tp.rank == 0 else (None, None)

@@ -1,8 +1,10 @@
-"""The built-in corpus and tokenizer: the demo needs no download.
+"""The built-in corpus, conversations and tokenizer: the demos need no download.
 
 The corpus is the docstrings of the running Python's standard library (every installation has
-them); the tokenizer is a byte-level BPE trained on that corpus. Both are built once and cached
-under $HYBRID3D_CACHE (default ~/.cache/hybrid3d), keyed by the Python version.
+them); the tokenizer is a byte-level BPE trained on that corpus. The conversations (for the chat
+fine-tuning demo) ask what a standard-library function does and answer with its docstring's first
+paragraph. All are built once and cached under $HYBRID3D_CACHE (default ~/.cache/hybrid3d), keyed by
+the Python version.
 """
 
 import ast
@@ -46,6 +48,44 @@ def _stdlib_docstrings():
                     doc = ast.get_docstring(node)
                     if doc and len(doc) >= MIN_DOC_CHARS:
                         yield doc
+
+
+def _stdlib_functions():
+    """(dotted name, first docstring paragraph) of public module-level functions, in a fixed file order."""
+    root = sysconfig.get_paths()["stdlib"]
+    for directory, subdirs, files in os.walk(root):
+        subdirs[:] = sorted(d for d in subdirs if d not in SKIPPED_DIRS)
+        for name in sorted(files):
+            if not name.endswith(".py") or name.startswith("_"):
+                continue
+            module = os.path.relpath(Path(directory, name[:-3]), root).replace(os.sep, ".")
+            try:
+                tree = ast.parse(Path(directory, name).read_text(encoding="utf-8"))
+            except (SyntaxError, UnicodeDecodeError, OSError):
+                continue
+            for node in tree.body:
+                if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+                    doc = (ast.get_docstring(node) or "").split("\n\n")[0].strip()
+                    if len(doc) >= MIN_DOC_CHARS:
+                        yield f"{module}.{node.name}", " ".join(doc.split())
+
+
+def builtin_chat_path() -> Path:
+    """A JSON-lines file of {"messages": [...]}: a user asks what a standard-library function does, the assistant
+    answers with its docstring's first paragraph; every third conversation opens with a system turn."""
+    path = cache_dir() / f"stdlib-chat-{_version_tag()}.jsonl"
+    if not path.exists():
+        def write(tmp):
+            with open(tmp, "w", encoding="utf-8") as f:
+                for index, (name, answer) in enumerate(_stdlib_functions()):
+                    turns = [{"role": "user", "content": f"What does `{name}` do?"},
+                             {"role": "assistant", "content": answer}]
+                    if index % 3 == 0:
+                        turns.insert(0, {"role": "system", "content": "You answer questions about Python."})
+                    f.write(json.dumps({"messages": turns}) + "\n")
+
+        _atomic_write(path, write)
+    return path
 
 
 def _atomic_write(path: Path, write) -> None:

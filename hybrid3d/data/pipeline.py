@@ -1,23 +1,27 @@
-"""From a `hybrid3d.data` config section to packed train/eval token streams.
+"""From a `hybrid3d.data` config section to packed train/eval samples.
 
-Local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a
-`save_to_disk` folder) and tokenized with `Dataset.map` (cached by `datasets`). A dataset that
-already has an `input_ids` column is used as is. The packed stream is cached as a .npy file and
-memory-mapped, so every rank reads the same tokens without holding its own copy.
+Local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a `save_to_disk` folder),
+encoded per `hybrid3d.data.format` (`formats.py`: raw text, chat, prompt/completion, or pre-tokenized ids with
+optional labels) with `Dataset.map` (cached by `datasets`), and packed (`packing.py`). The packed arrays are
+cached as .npy files and memory-mapped, so every rank reads the same tokens without holding its own copy.
+A tokenizer is loaded only when there is text to tokenize.
 """
 
 import glob
 import hashlib
 import json
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
 from hybrid3d.config.sections import DataSection
-from hybrid3d.data.builtin import builtin_corpus_path, cache_dir
+from hybrid3d.data.builtin import builtin_chat_path, builtin_corpus_path, cache_dir
+from hybrid3d.data.formats import encode_rows, is_finetuning, max_token_id, needs_tokenizer
 from hybrid3d.data.packing import PackedSamples
 from hybrid3d.errors import ConfigError
 
@@ -31,6 +35,17 @@ class TrainingData:
     train: PackedSamples
     eval: Optional[PackedSamples]
     eos_id: int
+    summary: str  # one line: what the training data holds
+    finetuning: bool  # examples packed whole with a loss mask (else an EOS-joined stream)
+
+
+@dataclass(frozen=True)
+class TokenizerSource:
+    """Where the data path gets a tokenizer if it needs one: `load()` returns it or raises a ConfigError;
+    `identity` names it in the cache key; `config_eos_id` is the model config's EOS, used for pre-tokenized data."""
+    load: Callable[[], object]
+    identity: str
+    config_eos_id: Optional[int]
 
 
 def _load_documents(path: str, key: str):
@@ -63,35 +78,6 @@ def _load_documents(path: str, key: str):
             from None
 
 
-def _tokenize(documents, text_field: str, tokenizer, key: str):
-    if "input_ids" in documents.column_names:
-        return documents
-    if text_field not in documents.column_names:
-        raise ConfigError(f"{KEY}.text_field: column '{text_field}' is not in {key} "
-                          f"(columns: {', '.join(documents.column_names)})")
-    if tokenizer is None:
-        raise ConfigError(f"{KEY}.tokenizer: {key} has text but no tokenizer is available")
-
-    def encode(batch):
-        return {"input_ids": tokenizer(batch[text_field], add_special_tokens=False)["input_ids"]}
-
-    return documents.map(encode, batched=True, remove_columns=documents.column_names, desc="tokenizing")
-
-
-def _pack(documents, eos_id: int) -> np.ndarray:
-    """Concatenate documents in order, EOS after each: (N,) int32 or int64."""
-    parts = []
-    for ids in documents.with_format("numpy")["input_ids"]:
-        parts.append(np.asarray(ids))
-        parts.append(np.asarray([eos_id]))
-    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    return tokens.astype(np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64)
-
-
-def _cache_key(*parts) -> str:
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
-
-
 def _ordered_documents(path: str, key: str, section: DataSection):
     """The documents of `path`, after the optional seeded shuffle."""
     documents = _load_documents(path, key)
@@ -100,34 +86,131 @@ def _ordered_documents(path: str, key: str, section: DataSection):
     return documents.shuffle(seed=section.seed) if section.shuffle else documents
 
 
-def _packed_stream(documents, key: str, section: DataSection, tokenizer, tokenizer_id: str,
-                   eos_id: int) -> np.ndarray:
-    cache = cache_dir() / "packed" / (_cache_key(documents._fingerprint, tokenizer_id, section.text_field, eos_id)
-                                      + ".npy")
-    if not cache.exists():
-        tokens = _pack(_tokenize(documents, section.text_field, tokenizer, key), eos_id)
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp.npy")
-        np.save(tmp, tokens)
-        os.replace(tmp, cache)
-    return np.load(cache, mmap_mode="r")
+def _stream_arrays(encoded, eos_id: int, seq_length: int, finetuning: bool) -> tuple[dict, str]:
+    """The packed arrays {tokens, starts[, learn]} of encoded rows, and a one-line account of them."""
+    if not finetuning:
+        parts, starts = [], []
+        for ids in encoded.with_format("numpy")["input_ids"]:
+            parts.extend((np.asarray(ids), [eos_id]))
+            starts.extend((np.eye(1, len(ids) + 1, dtype=np.uint8)[0],))
+        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        arrays = {"tokens": tokens, "starts": np.concatenate(starts) if starts else np.zeros(0, dtype=np.uint8)}
+        return arrays, f"{len(encoded):,} documents, {len(tokens):,} tokens"
+    return _example_bins(encoded, eos_id, seq_length)
 
 
-def _samples(tokens: np.ndarray, key: str, what: str, seq_length: int) -> PackedSamples:
-    samples = PackedSamples(tokens, seq_length)
+def _example_bins(encoded, eos_id: int, s: int) -> tuple[dict, str]:
+    """Fine-tuning examples placed whole, in order, into spans of s tokens (next-fit), each span's rest padded
+    with EOS that nothing learns; an example longer than s keeps its first s tokens (dropped if that leaves no
+    target). One padding token ends the stream: the last sample's (s+1)-th token."""
+    tokens, learn, starts = [], [], []
+    fill, truncated, dropped, learned = 0, 0, 0, 0
+    for ids, mask in zip(encoded["input_ids"], encoded["learn"]):
+        if len(ids) > s:
+            truncated += 1
+            ids, mask = ids[:s], mask[:s]
+            if not any(mask[1:]):
+                dropped += 1
+                continue
+        if fill + len(ids) > s:  # pad the span and start the next one
+            _pad(tokens, learn, starts, s - fill, eos_id)
+            fill = 0
+        tokens.extend(ids)
+        learn.extend([0] + list(mask[1:]))  # an example's first token is never predicted from its own tokens
+        starts.extend([1] + [0] * (len(ids) - 1))
+        learned += sum(mask[1:])
+        fill += len(ids)
+    if not tokens:
+        raise ConfigError(f"{KEY}.seq_length: every example is longer than seq_length {s} with nothing to learn "
+                          "in its first tokens")
+    _pad(tokens, learn, starts, s - fill + 1, eos_id)
+    arrays = {"tokens": np.asarray(tokens), "learn": np.asarray(learn, dtype=np.uint8),
+              "starts": np.asarray(starts, dtype=np.uint8)}
+    account = (f"{len(encoded) - dropped:,} examples in {(len(tokens) - 1) // s:,} samples of {s} tokens, "
+               f"{learned:,} targets learned ({learned / (len(tokens) - 1):.0%} of the tokens)")
+    if truncated:
+        account += f"; {truncated:,} longer than {s} tokens cut to it ({dropped:,} of them dropped: nothing to learn)"
+    return arrays, account
+
+
+def _pad(tokens: list, learn: list, starts: list, count: int, eos_id: int) -> None:
+    if count > 0:
+        tokens.extend([eos_id] * count)
+        learn.extend([0] * count)
+        starts.extend([1] + [0] * (count - 1))
+
+
+def _narrow(tokens: np.ndarray) -> np.ndarray:
+    return tokens.astype(np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64)
+
+
+def _cache_key(*parts) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
+
+
+def _encoded(documents, where: str, section: DataSection, tokenizers: TokenizerSource):
+    """(encoded rows, EOS id) of a dataset: the tokenizer's EOS for text, the model config's for ids."""
+    if needs_tokenizer(documents.column_names):
+        tokenizer = tokenizers.load()
+        eos_id = tokenizer.eos_token_id
+    else:
+        tokenizer, eos_id = None, tokenizers.config_eos_id
+        if eos_id is None and not is_finetuning(documents.column_names, section.format):
+            raise ConfigError(f"{KEY}.path: {where} is pre-tokenized but the model config has no eos_token_id to "
+                              "join its documents with")
+    return encode_rows(documents, section.format, section.text_field, tokenizer, eos_id, where), eos_id
+
+
+def _packed(documents, where: str, section: DataSection, tokenizers: TokenizerSource, vocab_size: int):
+    """(arrays {tokens, starts[, learn]}, account line, EOS id) of one dataset, built once and cached."""
+    finetuning = is_finetuning(documents.column_names, section.format)
+    pretokenized = not needs_tokenizer(documents.column_names)
+    key = _cache_key("v2", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
+                     section.format, section.text_field, tokenizers.config_eos_id if pretokenized else None,
+                     section.seq_length if finetuning else None)
+    folder = cache_dir() / "packed" / key
+    if not (folder / "account.json").exists():
+        encoded, eos_id = _encoded(documents, where, section, tokenizers)
+        largest = max_token_id(encoded)
+        if largest is not None and largest >= vocab_size:
+            raise ConfigError(f"{KEY}: {where} holds token id {largest}, beyond the model's vocab_size {vocab_size}")
+        arrays, account = _stream_arrays(encoded, eos_id, section.seq_length, finetuning)
+        _write_arrays(folder, arrays, {"account": account, "eos_id": eos_id})
+    record = json.loads((folder / "account.json").read_text())
+    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r")
+              for name in ("tokens", "learn", "starts") if (folder / f"{name}.npy").exists()}
+    return arrays, record["account"], record["eos_id"]
+
+
+def _write_arrays(folder: Path, arrays: dict, record: dict) -> None:
+    """Write the arrays and their record into a temporary folder, then rename it into place (atomic)."""
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
+    for name, array in arrays.items():
+        np.save(tmp / f"{name}.npy", _narrow(array) if name == "tokens" else array)
+    (tmp / "account.json").write_text(json.dumps(record))
+    try:
+        os.replace(tmp, folder)
+    except OSError:  # another process finished first
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _samples(arrays: dict, key: str, what: str, seq_length: int) -> PackedSamples:
+    samples = PackedSamples(arrays["tokens"], seq_length, learn=arrays.get("learn"), starts=arrays.get("starts"))
     if len(samples) == 0:
-        raise ConfigError(f"{key}: the {what} data has {len(tokens)} tokens, fewer than "
+        raise ConfigError(f"{key}: the {what} data has {len(samples.tokens)} tokens, fewer than "
                           f"seq_length + 1 = {seq_length + 1}")
     return samples
 
 
-def build_training_data(section: DataSection, tokenizer, tokenizer_id: str, eos_id: int) -> TrainingData:
-    """Packed train (and eval) samples. `tokenizer` may be None when the data has `input_ids`."""
-    path = section.path or str(builtin_corpus_path())
+def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
+    """Packed train (and eval) samples; the built-in corpus (or, for format 'chat', the built-in conversations)
+    when no path is given."""
+    path = section.path or str(builtin_chat_path() if section.format == "chat" else builtin_corpus_path())
     documents = _ordered_documents(path, f"{KEY}.path", section)
 
     def pack(docs, key):
-        return _packed_stream(docs, key, section, tokenizer, tokenizer_id, eos_id)
+        return _packed(docs, key, section, tokenizers, vocab_size)
 
     evaluation = None
     if section.eval_path:
@@ -142,7 +225,9 @@ def build_training_data(section: DataSection, tokenizer, tokenizer_id: str, eos_
         eval_key = f"{KEY}.path"
         evaluation = pack(documents.select(range(count - held_out, count)), eval_key)
         documents = documents.select(range(count - held_out))
-    train = _samples(pack(documents, f"{KEY}.path"), f"{KEY}.seq_length", "training", section.seq_length)
+    arrays, account, eos_id = pack(documents, f"{KEY}.path")
+    train = _samples(arrays, f"{KEY}.seq_length", "training", section.seq_length)
     if evaluation is not None:
-        evaluation = _samples(evaluation, eval_key, "evaluation", section.seq_length)
-    return TrainingData(train=train, eval=evaluation, eos_id=eos_id)
+        evaluation = _samples(evaluation[0], eval_key, "evaluation", section.seq_length)
+    return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account,
+                        finetuning=is_finetuning(documents.column_names, section.format))

@@ -24,6 +24,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.masks import document_causal_mask
 from hybrid3d.model.tp_plan import COLUMN, block_kind, context_kv_heads, kv_heads_per_rank
 from hybrid3d.model.rope import RotaryFrequencies, apply_rope
 from hybrid3d.parallel.tensor_parallel import (
@@ -58,20 +59,26 @@ class ReplicatedKVProjection(nn.Module):
 
 
 class CoreAttention(nn.Module):
-    """RoPE and causal SDPA over whole sequences: (b, s, heads, d) q and (b, s, kv, d) k, v -> (b, s, heads, d)."""
+    """RoPE and causal SDPA over whole sequences: (b, s, heads, d) q and (b, s, kv, d) k, v -> (b, s, heads, d).
+    With `positions` (b, s) (packed documents, `masks.py`) RoPE uses each token's position in its document and
+    a token attends only within its document; SDPA then takes an explicit mask (no flash kernel on GPUs)."""
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
         self.dropout = shape.attention_dropout
         self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
 
-    def forward(self, q, k, v):
+    def forward(self, q, k, v, positions=None):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, s, d)
         cos, sin = self.rotary.cos_sin(q.shape[2], q.device, q.dtype)  # positions 0..s-1 of the whole sequence
+        mask = None
+        if positions is not None:  # each document from position 0, seeing only itself
+            cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (b, 1, s, d)
+            mask = document_causal_mask(positions)  # (b, 1, s, s)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
-            out = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True,
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])
         return out.transpose(1, 2)  # (b, s, heads, d)
 
@@ -104,7 +111,7 @@ class Attention(nn.Module):
         self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
                                  if self.cp.size > 1 else None)
 
-    def forward(self, x):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same
+    def forward(self, x, positions=None):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same; positions (b, s)
         if self.kv_replicated:
             kv_weights = [self.k_proj.head_rows(), self.v_proj.head_rows()]
         else:
@@ -116,10 +123,10 @@ class Attention(nn.Module):
         k = k.view(b, s, self.kv_heads, self.head_dim)  # (b, s/c, kv/t, d)
         v = v.view(b, s, self.kv_heads, self.head_dim)
         if self.context_parallel is None:
-            out = self.core(q, k, v)
+            out = self.core(q, k, v, positions)
         else:
             repeats = self.exchanged_kv_heads // self.kv_heads
             if repeats > 1:  # every CP rank needs a kv head of its own: (b, s/c, c, d)
                 k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
-            out = self.context_parallel(q, k, v, 0)  # all-to-all, core on (b, s, a/(t·c), d), all-to-all back
+            out = self.context_parallel(q, k, v, 0, positions=positions)  # all-to-all, core on (b, s, a/(t·c), d), all-to-all back
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))  # (b, s/c, a·d/t) in

@@ -3,8 +3,10 @@
 The same layer classes serve the single-stage model (`LlamaSequential`) and DeepSpeed's
 PipelineModule, with the same global layer indices, so parameter names agree between them.
 
-In a mixture-of-experts model the layers after the embedding pass a tuple (hidden, router_stats)
-(moe.py): each block adds its routing statistics, the final norm and head carry them to the loss.
+Besides the hidden states, layers may pass (activations.py) each token's position in its document (packed
+documents masked from each other: the embedding takes (ids, positions), every block's attention uses them, the
+final norm drops them) and a mixture-of-experts model's routing statistics (moe.py: each block adds its own, the
+final norm and head carry them to the loss).
 """
 
 from typing import Optional
@@ -12,10 +14,11 @@ from typing import Optional
 from deepspeed.runtime.utils import set_random_seed
 from torch import nn
 
+from hybrid3d.model.activations import join_activations, split_activations
 from hybrid3d.model.attention import Attention
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.mlp import SwiGLU
-from hybrid3d.model.moe import MoEFeedForward, join_router_stats, split_router_stats
+from hybrid3d.model.moe import MoEFeedForward
 from hybrid3d.model.norm import RMSNorm
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -40,11 +43,15 @@ def padded_vocab_init(shape: LlamaShape):
 
 
 class Embedding(VocabParallelEmbedding):
-    """Token embedding: (b, s) ids -> (b, s, h)."""
+    """Token embedding: (b, s) ids -> (b, s, h); (ids, positions) -> (hidden, positions)."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         super().__init__(shape.vocab_size, shape.hidden_size, tp, pad_multiple=shape.vocab_pad_multiple,
                          init_method=normal_init(shape.initializer_range), device=device, dtype=dtype)
+
+    def forward(self, inputs):
+        ids, positions, _ = split_activations(inputs)
+        return join_activations(super().forward(ids), positions)
 
 
 class DecoderBlock(nn.Module):
@@ -63,21 +70,21 @@ class DecoderBlock(nn.Module):
         self.mlp = MoEFeedForward(shape, tp, ep, **kw) if self.moe else SwiGLU(shape, tp, **kw)
 
     def forward(self, inputs):
-        x, router_stats = split_router_stats(inputs)
-        x = x + self.self_attn(self.input_layernorm(x))
+        x, positions, router_stats = split_activations(inputs)
+        x = x + self.self_attn(self.input_layernorm(x), positions)
         if not self.moe:
-            return x + self.mlp(self.post_attention_layernorm(x))
+            return join_activations(x + self.mlp(self.post_attention_layernorm(x)), positions)
         out, router_stats = self.mlp(self.post_attention_layernorm(x), router_stats)
-        return x + out, router_stats
+        return join_activations(x + out, positions, router_stats)
 
 
 class FinalNorm(RMSNorm):
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         super().__init__(shape.hidden_size, shape.rms_norm_eps, tp, device=device, dtype=dtype)
 
-    def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
-        hidden, router_stats = split_router_stats(inputs)
-        return join_router_stats(super().forward(hidden), router_stats)
+    def forward(self, inputs):  # (b, s, h), or a tuple: positions end here, router statistics pass through
+        hidden, _, router_stats = split_activations(inputs)
+        return join_activations(super().forward(hidden), router_stats=router_stats)
 
 
 class LMHead(ColumnParallelLinear):
@@ -89,15 +96,15 @@ class LMHead(ColumnParallelLinear):
                          device=device, dtype=dtype)
 
     def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
-        hidden, router_stats = split_router_stats(inputs)
-        return join_router_stats(super().forward(hidden), router_stats)
+        hidden, _, router_stats = split_activations(inputs)
+        return join_activations(super().forward(hidden), router_stats=router_stats)
 
 
 def tied_lm_logits(embedding: Embedding, inputs):
     """Tied head: logits from the embedding's vocab-sharded weight. (b, s, h) -> (b, s, V_padded/t);
     (hidden, router_stats) -> (logits, router_stats)."""
-    hidden, router_stats = split_router_stats(inputs)
-    return join_router_stats(vocab_parallel_logits(hidden, embedding.weight, embedding.tp), router_stats)
+    hidden, _, router_stats = split_activations(inputs)
+    return join_activations(vocab_parallel_logits(hidden, embedding.weight, embedding.tp), router_stats=router_stats)
 
 
 def layer_classes(shape: LlamaShape) -> list[type]:

@@ -12,14 +12,21 @@ from torch import nn
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import build_layers, tied_lm_logits
-from hybrid3d.model.moe import load_balancing_loss, router_tally, split_router_stats
+from hybrid3d.model.activations import split_activations
+from hybrid3d.model.moe import load_balancing_loss, router_tally
 from hybrid3d.parallel.context_parallel import sequence_mean
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
 from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
 class LanguageModelLoss:
-    """Mean next-token cross entropy over vocab-sharded logits; DeepSpeed's `loss_fn(outputs, labels)`.
+    """Next-token cross entropy over vocab-sharded logits; DeepSpeed's `loss_fn(outputs, labels)`.
+
+    `labels` is the targets (b, s), IGNORE_INDEX where no loss is taken: the loss is then the micro-batch's mean
+    over its counted tokens. Or (targets, weight): the loss is the sum over counted tokens times `weight`, a ()
+    tensor the data path sets to (micro-batches in the global batch) / (counted tokens in the global batch), so
+    that after DeepSpeed averages over micro-batches and data-parallel ranks the step's loss is the token-level
+    mean over the whole global batch (`data.packing.micro_batches` says why).
     With context parallelism the logits and targets are this rank's s/c positions (`sequence_mean`).
     A MoE model's outputs are (logits, router_stats): the loss is then, as HF Mixtral's with
     `output_router_logits`, cross entropy + router_aux_loss_coef · load-balancing loss (moe.py)."""
@@ -34,10 +41,11 @@ class LanguageModelLoss:
         self.router_aux_loss_coef = shape.router_aux_loss_coef
         self._router_tally = None  # training calls' `moe.router_tally` sums since the last `take_router_tally`
 
-    def __call__(self, outputs, targets):  # (b, s/c, V_padded/t) or (that, (2E + 1,)), (b, s/c) -> scalar
-        logits, router_stats = split_router_stats(outputs)
+    def __call__(self, outputs, labels):  # (b, s/c, V_padded/t) or (that, (2E + 1,)), (b, s/c) or that + () -> ()
+        logits, _, router_stats = split_activations(outputs)
+        targets, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
         total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
-        loss = sequence_mean(total, count, self.cp)
+        loss = sequence_mean(total, count, self.cp, weight)
         if router_stats is not None:
             aux = load_balancing_loss(router_stats, self.num_experts)
             loss = loss + self.router_aux_loss_coef * aux
@@ -84,7 +92,7 @@ class LlamaSequential(nn.Module):
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_fn = checkpoint_fn
 
-    def forward(self, ids):
+    def forward(self, ids):  # (b, s) ids, or (ids, positions) for packed documents masked from each other
         layers = self.layers
         blocks_end = 1 + self.shape.num_layers
         hidden = layers[0](ids)

@@ -117,16 +117,6 @@ def router_summary(tally: torch.Tensor) -> dict:
             "expert_load_max": share.max().item() * len(share)}
 
 
-def split_router_stats(inputs):
-    """A layer's input as (hidden, router_stats): a MoE model passes tuples, a dense one bare tensors (stats None)."""
-    return inputs if isinstance(inputs, tuple) else (inputs, None)
-
-
-def join_router_stats(hidden, router_stats):
-    """The inverse of `split_router_stats`: the tuple only when there are statistics to carry."""
-    return hidden if router_stats is None else (hidden, router_stats)
-
-
 class Router(nn.Module):
     """Top-k gating, HF `MixtralTopKRouter`'s math: logits = x Wᵀ, softmax in fp32, top-k of the
     probabilities, renormalised by their sum. Replicated over TP."""

@@ -74,5 +74,5 @@ def _rotate_half(x):
 
 
 def apply_rope(x, cos, sin):
-    """x: (b, heads, s, d); cos/sin: (s, d)."""
+    """x: (b, heads, s, d); cos/sin: (s, d), or (b, 1, s, d) for per-row positions."""
     return x * cos + _rotate_half(x) * sin

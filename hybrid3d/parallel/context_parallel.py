@@ -9,6 +9,8 @@ the gradient of the sequence's mean loss. The value each rank returns is the who
 what the job logs does not depend on c.
 """
 
+from typing import Optional
+
 import deepspeed.comm as dist
 import torch
 
@@ -25,13 +27,16 @@ def sequence_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
     return x[:, cp.rank * s // cp.size:(cp.rank + 1) * s // cp.size].contiguous()
 
 
-def sequence_mean(local_sum: torch.Tensor, local_count: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """The mean token loss of sequences split over cp: the value is Σ_ranks sum / Σ_ranks count; the
-    gradient flows through this rank's sum only, scaled by c / Σ count (DeepSpeed then averages over the
-    c ranks; a batch with no target gives 0)."""
+def sequence_mean(local_sum: torch.Tensor, local_count: torch.Tensor, cp: ContextParallelGroup,
+                  weight: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The token loss of sequences split over cp: Σ_ranks sum / Σ_ranks count (the micro-batch's mean), or
+    Σ_ranks sum · `weight` when the caller normalises over more than this micro-batch (`weight` is then
+    1 / the token count that the mean runs over, times the micro-batches it is spread over). The gradient flows
+    through this rank's sum only, scaled by c (DeepSpeed then averages over the c ranks); no target gives 0."""
     if cp.size == 1:
-        return local_sum / local_count.clamp(min=1)
+        return local_sum * weight if weight is not None else local_sum / local_count.clamp(min=1)
     totals = torch.stack((local_sum.detach().float(), local_count.float()))  # (2,)
     dist.all_reduce(totals, group=cp.group)
     scaled = cp.size * local_sum
-    return (scaled + (totals[0] - scaled.detach())) / totals[1].clamp(min=1)
+    value = scaled + (totals[0] - scaled.detach())  # Σ_ranks sum, with this rank's share of the gradient x c
+    return value * weight if weight is not None else value / totals[1].clamp(min=1)

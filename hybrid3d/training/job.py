@@ -96,7 +96,7 @@ def sequence_split(layout, seq: int) -> str:
 def evaluate(trainer, data, job, dp_rank) -> float:
     batch = job.config.sequences_per_step
     losses = [trainer.eval_step(micro_batches(data.eval, k * batch, batch, dp_rank, job.layout.dp,
-                                              job.config.micro_batch_size))
+                                              job.config.micro_batch_size, job.hybrid.data.document_mask))
               for k in range(job.hybrid.train.eval_steps)]
     return float(np.mean(losses))
 
@@ -149,8 +149,10 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         info(threads, is_rank0)
 
     source = job.source
-    data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizer, source.tokenizer_dir,
-                                                   source.tokenizer.eos_token_id), rank)
+    data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizers(), source.hf_config.vocab_size),
+                       rank)
+    info(f"data: {data.summary}" + (" (documents masked from each other)" if hybrid.data.document_mask else ""),
+         is_rank0)
     config = dataclasses.replace(job.config, ds_config=json.loads(json.dumps(job.config.ds_config)))
     if job.plan is not None and job.plan.universal:
         info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
@@ -198,7 +200,9 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         (output_dir / "placement.json").write_text(json.dumps(places, indent=1))
         (save_dir / HF_FILES_DIR).mkdir(parents=True, exist_ok=True)
         source.hf_config.save_pretrained(save_dir / HF_FILES_DIR)
-        source.tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
+        tokenizer = source.tokenizer_if_any()
+        if tokenizer is not None:
+            tokenizer.save_pretrained(save_dir / HF_FILES_DIR)
     dist.barrier()
 
     batch, seq = config.sequences_per_step, hybrid.data.seq_length
@@ -245,7 +249,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         watchdog.beat(f"step {step + 1}")
         started = time.perf_counter()
         first = cursor.next_batch(batch)
-        loss = trainer.train_step(micro_batches(data.train, first, batch, dp_rank, layout.dp, config.micro_batch_size))
+        loss = trainer.train_step(micro_batches(data.train, first, batch, dp_rank, layout.dp, config.micro_batch_size,
+                                                hybrid.data.document_mask))
         get_accelerator().synchronize()
         step_time = time.perf_counter() - started
         extra = {"samples_consumed": cursor.samples_consumed, **trainer.router_metrics()}  # routing: MoE only

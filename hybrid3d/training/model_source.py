@@ -1,11 +1,13 @@
 """Where the model comes from: a local HF Llama folder or a named preset, plus its tokenizer."""
 
+import hashlib
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
 from hybrid3d.config.sections import DataSection, ModelSection
+from hybrid3d.data.pipeline import TokenizerSource
 from hybrid3d.errors import ConfigError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
@@ -14,12 +16,39 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 @dataclass
 class ModelSource:
     hf_config: object  # transformers.LlamaConfig, vocab_size settled
-    tokenizer: object  # a transformers tokenizer
-    tokenizer_dir: str
+    tokenizer_dir: Optional[str]  # None: the model folder has none and the built-in one does not fit it
+    chat_template: Optional[str]  # hybrid3d.data.chat_template: a Jinja file for the tokenizer
     hf_dir: Optional[str]
+    _tokenizer: object = field(default=None, repr=False)
+
+    def tokenizer(self):
+        """The tokenizer, loaded on first use (pre-tokenized data never loads one); a ConfigError if there is none."""
+        if self._tokenizer is None:
+            if self.tokenizer_dir is None:
+                raise ConfigError(f"hybrid3d.data.tokenizer: {self.hf_dir} has no tokenizer files and the built-in "
+                                  f"tokenizer does not fit its vocab_size {self.hf_config.vocab_size}: set "
+                                  "hybrid3d.data.tokenizer, or give pre-tokenized `input_ids`")
+            self._tokenizer = _load_tokenizer(self.tokenizer_dir, self.chat_template, self.hf_config.vocab_size,
+                                              fits_vocab=self.hf_dir is not None)
+        return self._tokenizer
+
+    def tokenizers(self) -> TokenizerSource:
+        """What the data path needs to tokenize, if it must, and the config's EOS for pre-tokenized data."""
+        eos = getattr(self.hf_config, "eos_token_id", None)
+        eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        template = Path(self.chat_template).read_text(encoding="utf-8") if self.chat_template else None
+        identity = f"{self.tokenizer_dir}|{hashlib.sha256((template or '').encode()).hexdigest()[:12]}"
+        return TokenizerSource(load=self.tokenizer, identity=identity, config_eos_id=eos)
+
+    def tokenizer_if_any(self):
+        """The tokenizer to save next to checkpoints, or None when there is none."""
+        try:
+            return self.tokenizer()
+        except ConfigError:
+            return None
 
 
-def _load_tokenizer(directory: str, key: str):
+def _read_tokenizer(directory: str, key: str):
     from transformers import AutoTokenizer
 
     try:
@@ -29,9 +58,21 @@ def _load_tokenizer(directory: str, key: str):
                           f"{str(e).splitlines()[0] if str(e) else type(e).__name__}") from None
 
 
+def _load_tokenizer(directory: str, chat_template: Optional[str], vocab_size: int, fits_vocab: bool):
+    key = "hybrid3d.data.tokenizer"
+    tokenizer = _read_tokenizer(directory, key)
+    if tokenizer.eos_token_id is None:
+        raise ConfigError(f"{key}: the tokenizer in {directory} has no EOS token")
+    if fits_vocab and len(tokenizer) > vocab_size:
+        raise ConfigError(f"{key}: {len(tokenizer)} tokens do not fit the model's vocab_size {vocab_size}")
+    if chat_template:
+        tokenizer.chat_template = Path(chat_template).read_text(encoding="utf-8")
+    return tokenizer
+
+
 def resolve_model(model: ModelSection, data: DataSection) -> ModelSource:
     """The HF config (vocabulary sized to the tokenizer for presets) and the tokenizer to use."""
-    from hybrid3d.data.builtin import builtin_tokenizer_path
+    from hybrid3d.data.builtin import BUILTIN_VOCAB_SIZE, builtin_tokenizer_path
     from hybrid3d.errors import ConversionError
     from hybrid3d.model.hf_source import read_hf_config
     from hybrid3d.model.presets import preset_config
@@ -55,25 +96,23 @@ def resolve_model(model: ModelSection, data: DataSection) -> ModelSource:
             raise ConfigError(f"hybrid3d.model.config_overrides.{key} is not a LlamaConfig field")
         setattr(config, key, value)
 
+    if data.chat_template and not os.path.isfile(data.chat_template):
+        raise ConfigError(f"hybrid3d.data.chat_template: {data.chat_template} is not a file")
     if data.tokenizer:
         if not os.path.isdir(data.tokenizer):
             raise ConfigError(f"hybrid3d.data.tokenizer: {data.tokenizer} is not a folder")
         tokenizer_dir = data.tokenizer
     elif model.hf_model and any(Path(model.hf_model, f).exists() for f in TOKENIZER_FILES):
         tokenizer_dir = model.hf_model
+    elif model.hf_model:  # the built-in tokenizer, only if the model's vocabulary holds it
+        tokenizer_dir = str(builtin_tokenizer_path()) if BUILTIN_VOCAB_SIZE <= config.vocab_size else None
     else:
         tokenizer_dir = str(builtin_tokenizer_path())
-    tokenizer = _load_tokenizer(tokenizer_dir, "hybrid3d.data.tokenizer")
-    if tokenizer.eos_token_id is None:
-        raise ConfigError(f"hybrid3d.data.tokenizer: the tokenizer in {tokenizer_dir} has no EOS token")
-
-    if model.hf_model:
-        if len(tokenizer) > config.vocab_size:
-            raise ConfigError(f"hybrid3d.data.tokenizer: {len(tokenizer)} tokens do not fit the model's "
-                              f"vocab_size {config.vocab_size}")
-    else:  # a preset takes the tokenizer's vocabulary
+    source = ModelSource(hf_config=config, tokenizer_dir=tokenizer_dir, chat_template=data.chat_template,
+                         hf_dir=model.hf_model)
+    if not model.hf_model:  # a preset takes the tokenizer's vocabulary
+        tokenizer = source.tokenizer()
         config.vocab_size = len(tokenizer)
         config.eos_token_id = tokenizer.eos_token_id
         config.bos_token_id = tokenizer.bos_token_id
-    return ModelSource(hf_config=config, tokenizer=tokenizer, tokenizer_dir=tokenizer_dir,
-                       hf_dir=model.hf_model)
+    return source

@@ -29,6 +29,7 @@ from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig, parse_config
+from hybrid3d.data.packing import MicroBatch
 from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
@@ -44,7 +45,7 @@ from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
 from hybrid3d.model.tp_plan import check_moe_options, check_split
 
-Batch = tuple  # (input_ids (b, s), targets (b, s))
+Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
 
 
 class Trainer:
@@ -145,12 +146,23 @@ class Trainer:
         return self.engine.zero_optimization() and not any((load_dir / tag).glob("*optim_states.pt"))
 
 
+def engine_batch(batch, cp) -> tuple:
+    """A MicroBatch (or a plain (ids, targets) pair) as DeepSpeed's (inputs, labels), with this rank's s/c positions
+    of ids and targets: inputs = ids, or (ids, positions) with document masking (the whole sequence's positions:
+    attention sees every position after the context-parallel exchange); labels = targets, or (targets, weight)."""
+    batch = MicroBatch(*batch)
+    ids, targets = sequence_shard(batch.ids, cp), sequence_shard(batch.targets, cp)
+    inputs = ids if batch.positions is None else (ids, batch.positions)
+    labels = targets if batch.loss_weight is None else (targets, batch.loss_weight)
+    return inputs, labels
+
+
 class PipelineTrainer(Trainer):
-    """The first and last stages read the micro-batches; with context parallelism each its positions."""
+    """The first stage reads the inputs of each micro-batch, the last its labels (`engine_batch`)."""
 
     def _shards(self, micro_batches):
         cp = self.groups.context_parallel()
-        return micro_batches if cp.size == 1 else (tuple(sequence_shard(x, cp) for x in b) for b in micro_batches)
+        return (engine_batch(b, cp) for b in micro_batches)
 
     def train_step(self, micro_batches):
         return float(self.engine.train_batch(data_iter=self._shards(micro_batches)))
@@ -179,15 +191,16 @@ class DataParallelTrainer(Trainer):
         return tensor.pin_memory().to(device, non_blocking=True)
 
     def _inputs(self, batch):
-        """(ids, targets) of the micro-batch, this rank's positions of it, on the engine's device."""
-        cp = self.groups.context_parallel()
-        return tuple(self._to_device(sequence_shard(x, cp)) for x in batch)
+        """(inputs, labels) of the micro-batch (`engine_batch`), on the engine's device."""
+        inputs, labels = engine_batch(batch, self.groups.context_parallel())
+        move = (lambda x: tuple(map(self._to_device, x)) if isinstance(x, tuple) else self._to_device(x))
+        return move(inputs), move(labels)
 
     def train_step(self, micro_batches):
         losses = []
         for _ in range(self.engine.gradient_accumulation_steps()):
-            ids, targets = self._inputs(next(micro_batches))
-            loss = self.module.loss_fn(self.engine(ids), targets)
+            inputs, labels = self._inputs(next(micro_batches))
+            loss = self.module.loss_fn(self.engine(inputs), labels)
             self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             losses.append(loss.detach())
@@ -198,8 +211,8 @@ class DataParallelTrainer(Trainer):
         self.engine.eval()
         with torch.no_grad():
             for _ in range(self.engine.gradient_accumulation_steps()):
-                ids, targets = self._inputs(next(micro_batches))
-                losses.append(self.module.loss_fn(self.engine(ids), targets))
+                inputs, labels = self._inputs(next(micro_batches))
+                losses.append(self.module.loss_fn(self.engine(inputs), labels))
         self.engine.train()
         return self._dp_mean(losses)
 

@@ -143,6 +143,7 @@ def test_training_starts_from_hf_weights(tmp_path):
 
     from hybrid3d.config.sections import DataSection
     from hybrid3d.data import build_training_data, micro_batches
+    from hybrid3d.data.pipeline import TokenizerSource
     from hybrid3d.data.builtin import builtin_tokenizer_path
     from tests.tiny_llama import make_hf_llama
 
@@ -163,8 +164,9 @@ def test_training_starts_from_hf_weights(tmp_path):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     loss = read_metrics(tmp_path / "run")[0]["loss"]
 
-    data = build_training_data(DataSection(path=str(docs), seq_length=64), tokenizer, "t", tokenizer.eos_token_id)
-    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))
+    tokenizers = TokenizerSource(load=lambda: tokenizer, identity="t", config_eos_id=None)
+    data = build_training_data(DataSection(path=str(docs), seq_length=64), tokenizers, len(tokenizer))
+    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))[:2]
     hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         expected = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()

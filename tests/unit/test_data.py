@@ -10,6 +10,7 @@ from transformers import AutoTokenizer
 from hybrid3d.config.sections import DataSection
 from hybrid3d.data import build_training_data, micro_batches
 from hybrid3d.data.builtin import builtin_tokenizer_path
+from hybrid3d.data.pipeline import TokenizerSource
 from hybrid3d.errors import ConfigError
 
 DOCS = [f"Document number {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) for i in range(40)]
@@ -18,6 +19,15 @@ DOCS = [f"Document number {i}: " + "lorem ipsum dolor sit amet " * (i % 7 + 1) f
 @pytest.fixture(scope="module")
 def tokenizer():
     return AutoTokenizer.from_pretrained(builtin_tokenizer_path())
+
+
+def source(tokenizer, config_eos_id=None) -> TokenizerSource:
+    def load():
+        if tokenizer is None:
+            raise AssertionError("pre-tokenized data must not load a tokenizer")
+        return tokenizer
+
+    return TokenizerSource(load=load, identity="builtin", config_eos_id=config_eos_id)
 
 
 @pytest.fixture()
@@ -46,7 +56,7 @@ def expected_micro_batches(stream, s, k, batch, dp_rank, dp, micro):
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_packing_and_sharding_follow_the_convention(jsonl, tokenizer, shuffle):
     section = DataSection(path=str(jsonl), text_field="body", seq_length=16, shuffle=shuffle, seed=7)
-    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    data = build_training_data(section, source(tokenizer), 4096)
     texts = DOCS
     if shuffle:  # the seeded shuffle is the datasets library's
         texts = datasets.Dataset.from_list([{"body": d} for d in DOCS]).shuffle(seed=7)["body"]
@@ -59,13 +69,14 @@ def test_packing_and_sharding_follow_the_convention(jsonl, tokenizer, shuffle):
             got = list(micro_batches(data.train, k * batch, batch, dp_rank, dp, micro))
             want = expected_micro_batches(stream, 16, k, batch, dp_rank, dp, micro)
             assert len(got) == len(want) == batch // dp // micro
-            for (ids, targets), (want_ids, want_targets) in zip(got, want):
-                assert ids.tolist() == want_ids.tolist() and targets.tolist() == want_targets.tolist()
+            for one, (want_ids, want_targets) in zip(got, want):
+                assert one.ids.tolist() == want_ids.tolist() and one.targets.tolist() == want_targets.tolist()
+                assert one.positions is None and one.loss_weight.item() == pytest.approx(1 / (micro * 16))
 
 
 def test_eval_fraction_holds_out_the_last_documents(jsonl, tokenizer):
     section = DataSection(path=str(jsonl), text_field="body", seq_length=16, eval_fraction=0.1)
-    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    data = build_training_data(section, source(tokenizer), 4096)
     assert list(np.asarray(data.train.tokens)) == expected_stream(DOCS[:36], tokenizer)
     assert list(np.asarray(data.eval.tokens)) == expected_stream(DOCS[36:], tokenizer)
 
@@ -73,7 +84,7 @@ def test_eval_fraction_holds_out_the_last_documents(jsonl, tokenizer):
 def test_pretokenized_dataset_is_used_as_is(tmp_path, tokenizer):
     rows = [{"input_ids": list(range(i, i + 5 + i % 3))} for i in range(30)]
     datasets.Dataset.from_list(rows).save_to_disk(str(tmp_path / "saved"))
-    data = build_training_data(DataSection(path=str(tmp_path / "saved"), seq_length=8), None, "none", 0)
+    data = build_training_data(DataSection(path=str(tmp_path / "saved"), seq_length=8), source(None, 0), 64)
     stream = []
     for row in rows:
         stream += row["input_ids"] + [0]
@@ -89,8 +100,7 @@ def test_bad_data_is_refused_naming_the_key(tmp_path, tokenizer, make, needle):
     path = tmp_path / "bad.jsonl"
     make(path)
     with pytest.raises(ConfigError) as err:
-        build_training_data(DataSection(path=str(path), text_field="body", seq_length=64), tokenizer, "builtin",
-                            tokenizer.eos_token_id)
+        build_training_data(DataSection(path=str(path), text_field="body", seq_length=64), source(tokenizer), 4096)
     assert needle in str(err.value)
 
 
@@ -100,13 +110,13 @@ def test_a_changed_global_batch_continues_at_the_next_unseen_sample(jsonl, token
     from hybrid3d.data import DataCursor
 
     section = DataSection(path=str(jsonl), text_field="body", seq_length=16)
-    data = build_training_data(section, tokenizer, "builtin", tokenizer.eos_token_id)
+    data = build_training_data(section, source(tokenizer), 4096)
     stream = expected_stream(DOCS, tokenizer)
     n = (len(stream) - 1) // 16
 
     def read(cursor, batch, dp):
         first = cursor.next_batch(batch)
-        rows = [ids.tolist() for r in range(dp) for ids, _ in micro_batches(data.train, first, batch, r, dp, 1)]
+        rows = [b.ids.tolist() for r in range(dp) for b in micro_batches(data.train, first, batch, r, dp, 1)]
         return [row for chunk in rows for row in chunk]
 
     before = DataCursor()
