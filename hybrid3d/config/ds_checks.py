@@ -157,6 +157,18 @@ def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
     turn_off_pipe_partitioning(ds, f"{key}={schedule!r}")
 
 
+def check_document_mask(hybrid: HybridSection) -> None:
+    """`data.document_mask` sends each token's position between pipeline stages with the hidden states; the
+    1F1B engine is tested with it (tests/distributed/test_finetune.py), the other schedules and pipeline_zero2
+    are not yet."""
+    if not hybrid.data.document_mask or hybrid.pipeline_parallel_size == 1:
+        return
+    if hybrid.pipeline_schedule != "1f1b" or hybrid.pipeline_zero2:
+        what = "pipeline_zero2" if hybrid.pipeline_zero2 else f"pipeline_schedule {hybrid.pipeline_schedule!r}"
+        raise ConfigError(f"{SECTION}.data.document_mask runs with pipeline_schedule '1f1b' and without "
+                          f"pipeline_zero2 only for now, not with {what}")
+
+
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
     """Sequence and context parallelism: the combinations that cannot work, one line each, and the
     pipeline keys SP needs (set here when absent).

@@ -8,6 +8,7 @@ from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
     check_expert_parallel,
     check_checkpoint_engine,
+    check_document_mask,
     check_nonfinite_policy,
     check_pipeline_schedule,
     check_pipeline_zero2,
@@ -90,6 +91,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     complete_batch_sizes(ds, world_size // (tp * pp * cp))
     ds["train_batch_size"] *= cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
     check_pipeline_schedule(ds, hybrid)
+    check_document_mask(hybrid)
     check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
     check_expert_parallel(ds, hybrid, world_size // (tp * pp * cp))

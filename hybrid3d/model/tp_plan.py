@@ -141,7 +141,7 @@ def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
 
 def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
                       pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
-                      capacity_factor: Optional[float] = None) -> None:
+                      capacity_factor: Optional[float] = None, document_mask: bool = False) -> None:
     """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
     travel between stages as the second tensor of the activation tuple. DeepSpeed's own PipelineEngine ran
     backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
@@ -156,6 +156,8 @@ def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = F
         return
     if sequence_parallel:
         raise ConfigError("hybrid3d.sequence_parallel cannot be combined with a mixture-of-experts model yet")
+    if document_mask:
+        raise ConfigError("hybrid3d.data.document_mask is untested with a mixture-of-experts model, so refused for now")
     if pp > 1 and (schedule != "1f1b" or pipeline_zero2):
         raise ConfigError("a mixture-of-experts model runs with hybrid3d.pipeline_schedule '1f1b' and without "
                           "hybrid3d.pipeline_zero2 only for now")

@@ -76,7 +76,8 @@ def prepare(args, overrides, world_size: int) -> Job:
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
     check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
-                      use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor)
+                      use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
+                      document_mask=hybrid.data.document_mask)
     if layout.ep > 1 and layout.pp > 1:  # the job always saves at the end (training/trainer.py `save`)
         raise ConfigError("hybrid3d.expert_parallel_size > 1 with pipeline_parallel_size > 1 cannot write "
                           "checkpoints yet, so the training job refuses it")

@@ -237,7 +237,8 @@ def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Op
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
     check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=config.hybrid.pipeline_schedule,
                       pipeline_zero2=config.hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
-                      use_reentrant=config.use_reentrant, capacity_factor=config.hybrid.expert_capacity_factor)
+                      use_reentrant=config.use_reentrant, capacity_factor=config.hybrid.expert_capacity_factor,
+                      document_mask=config.hybrid.data.document_mask)
     check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule, config.hybrid.virtual_pipeline_size)
     if config.hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=config.hybrid.expert_capacity_factor)
