@@ -10,6 +10,7 @@ import math
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -17,8 +18,8 @@ import psutil
 import pytest
 import torch
 
-from tests.launcher.harness import (STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states,
-                                    read_metrics, resume_copy)
+from tests.launcher.harness import (REPO, STEPS, config_copy, deepspeed_command, demo_config, launch, launch_env,
+                                    layer_states, read_metrics, resume_copy)
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
 
@@ -214,3 +215,31 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     resumed = resume_copy(2, config, tmp_path / "run", "global_step4", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
+
+
+def test_chat_fine_tune_demo_runs_on_the_converted_demo_model(uninterrupted, tmp_path):
+    """The README's fine-tuning path: the demo's checkpoint exported to HF, then ds_configs/cpu_chat_finetune.json
+    (the built-in conversations, chat template, document masking) trains from it; bad chat data ends with one
+    line, exit 2, and no output folder."""
+    export = tmp_path / "tiny-hf"
+    converted = subprocess.run([sys.executable, "-m", "hybrid3d.convert", "hybrid2hf", "--checkpoint",
+                                str(uninterrupted["out"] / "checkpoints"), "--out", str(export)],
+                               capture_output=True, text=True, timeout=300, cwd=REPO)
+    assert converted.returncode == 0, converted.stdout[-2000:] + converted.stderr[-2000:]
+    config = config_copy(REPO / "ds_configs" / "cpu_chat_finetune.json", tmp_path / "chat.json", tmp_path / "chat")
+    common = ("--model.hf_model", str(export), "--data.chat_template", str(REPO / "ds_configs" / "chat_template.jinja"),
+              "--train.steps", "4", "--train.eval_interval", "4", "--train.log_interval", "1",
+              "--scheduler.params.total_num_steps", "4")
+    result = launch(4, config, *common)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "data: " in result.stdout and " examples in " in result.stdout and "documents masked" in result.stdout
+    metrics = read_metrics(tmp_path / "chat")
+    assert len(metrics) == 4 and all(math.isfinite(m["loss"]) for m in metrics) and "eval_loss" in metrics[-1]
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("".join(json.dumps({"text": f"no messages here {i}"}) + "\n" for i in range(40)))
+    refused = launch(4, config, *common, "--data.path", str(bad), "--train.output_dir", str(tmp_path / "refused"))
+    assert refused.returncode == 2
+    errors = [line for line in refused.stdout.splitlines() + refused.stderr.splitlines() if "error:" in line]
+    assert errors and all("'chat' needs column 'messages'" in line for line in errors), errors
+    assert not (tmp_path / "refused").exists()
