@@ -38,7 +38,7 @@ def make_hf_family(directory, family: str, seed: int = 0, **overrides):
             if name.endswith("norm.weight"):  # layer norms, the final norm, Qwen3's q_norm / k_norm
                 p.uniform_(0.5, 1.5)
             elif name.endswith(".bias"):  # HF initialises Qwen2's biases to zero, which would test nothing
-                p.normal_(0.0, 0.5)
+                p.normal_(0.0, 0.1)
     model.save_pretrained(directory)
     return config
 
