@@ -17,6 +17,9 @@ from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+# model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
+HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
 # model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config)
 FAMILY_SWITCHES = {"llama": (False, False, False), "mistral": (False, False, True), "qwen2": (True, False, True),
                    "qwen3": (False, True, True), "mixtral": (False, False, False)}
