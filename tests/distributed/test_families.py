@@ -1,11 +1,16 @@
 """Qwen2, Qwen3 and Mistral train exactly like their Hugging Face classes (fp32, 5 AdamW steps) at TP2 x PP2 and
 at the layout matrix's DP case, plus the layouts where their additions meet TP's edge cases: Qwen2's k/v biases
 replicated with their kv heads at TP4, Qwen3's q/k norms under sequence parallelism, Mistral's window under
-context parallelism. One spawned world per world size (2 and 4 ranks) runs all of that size's runs."""
+context parallelism. One spawned world per world size (2 and 4 ranks) runs all of that size's runs; the world of 4
+also runs `hybrid3d.verify` on converted checkpoints of each family and on one with a corrupted Qwen3 q_norm."""
+
+import shutil
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 
 from tests.distributed import run_worlds_by_size
 from tests.distributed.engine_runs import global_batch, hf_reference_run
@@ -38,6 +43,38 @@ def family_runs():
 
 
 RUNS = family_runs()
+VERIFY_WORLD = 4
+# (family, tp, pp) of the converted checkpoints `hybrid3d.verify` checks
+VERIFIED = [("qwen2", 2, 1), ("qwen3", 2, 2), ("mistral", 2, 2)]
+
+
+def family_world(rank, world_size, runs, dirs, verify_argvs):
+    """The runs of this world size, then (in the world of VERIFY_WORLD ranks) each verify's exit code."""
+    from hybrid3d.convert.verify import main as verify_main
+
+    results = train_runs(rank, world_size, runs, dirs)
+    if world_size == VERIFY_WORLD:
+        results["verify"] = {name: verify_main(argv) for name, argv in verify_argvs.items()}
+    return results
+
+
+def verify_checkpoints(root, dirs) -> dict:
+    """{name: verify argv}: each family converted at its VERIFIED layout, and the Qwen3 one with layer 2's q_norm
+    scaled by 1.05 on both TP ranks (a plausible, consistent checkpoint that computes something else)."""
+    argvs = {}
+    for family, tp, pp in VERIFIED:
+        name = f"{family}-tp{tp}pp{pp}"
+        hf_to_hybrid(dirs[family], root / name, tp=tp, pp=pp)
+        argvs[name] = ["--hf-model", dirs[family], "--checkpoint", str(root / name)]
+    corrupted = root / "corrupted-qwen3-tp2pp2"
+    shutil.copytree(root / "qwen3-tp2pp2", corrupted)
+    for tp_rank in range(2):
+        path = corrupted / "global_step0" / f"layer_02-model_{tp_rank:02d}-model_states.pt"
+        layer = torch.load(path)
+        layer["self_attn.q_norm.weight"] *= 1.05
+        torch.save(layer, path)
+    argvs[corrupted.name] = ["--hf-model", dirs["qwen3"], "--checkpoint", str(corrupted)]
+    return argvs
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +84,8 @@ def results(tmp_path_factory):
     refs = {family: hf_reference_run(d) for family, d in dirs.items()}
     for family, d in dirs.items():
         refs[family]["tolerances"] = tolerances(refs[family], hf_reference_run(d, dtype=torch.float64))
-    return {"dirs": dirs, "ref": refs, "runs": run_worlds_by_size(train_runs, RUNS, root, dirs)}
+    argvs = verify_checkpoints(root, dirs)
+    return {"dirs": dirs, "ref": refs, "runs": run_worlds_by_size(family_world, RUNS, root, dirs, argvs)}
 
 
 def errors(ref, reports) -> tuple[float, float]:
@@ -106,3 +144,9 @@ def test_the_families_additions_matter(results):
         # qwen2 1.6e-3, qwen3 3.4e-4, mistral far more, relative)
         assert abs(loss - without) > 10 * TOL * loss, (family, loss, without)
         print(f"{family}: loss {loss:.6f}, without its addition {without:.6f}")
+
+
+def test_verify_passes_converted_families_and_fails_a_corrupted_q_norm(results):
+    expected = {f"{family}-tp{tp}pp{pp}": 0 for family, tp, pp in VERIFIED}
+    for report in results["runs"]["verify"]:
+        assert report == {**expected, "corrupted-qwen3-tp2pp2": 1}
