@@ -7,6 +7,11 @@ Rank r holds query heads [r*a/t, (r+1)*a/t). Key/value heads:
   weight gradient (non-zero only in those rows) is summed over TP, giving every replica the
   full gradient (the same rule as a replicated parameter).
 
+Per-family switches (`LlamaShape`): Qwen2's q/k/v biases follow their weights' rows (replicated with
+them when t > kv heads); Qwen3's q/k RMSNorm runs per head before RoPE, its (d,) weights replicated
+and their gradients summed over TP; Mistral's sliding window is a boolean SDPA mask (model/masks.py)
+when it is shorter than the sequence.
+
 Context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) splits the sequence over c more ranks:
 each computes q/k/v for its s/c positions, `deepspeed.sequence.layer.DistributedAttention` exchanges
 them all-to-all for all s positions of a/(t·c) heads, the core attends over the whole sequence, and
@@ -75,21 +80,13 @@ class CoreAttention(nn.Module):
         self.dropout = shape.attention_dropout
         self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
         self.sliding_window = shape.sliding_window
-        self._mask = None  # ((s, device), (s, s) bool or None): every micro-batch of a run has the same s
-
-    def attn_mask(self, seq_len: int, device):
-        """The boolean SDPA mask of a sliding window shorter than the sequence, else None (plain causal)."""
-        key = (seq_len, torch.device(device))
-        if self._mask is None or self._mask[0] != key:
-            self._mask = (key, sliding_window_mask_or_none(seq_len, self.sliding_window, device))
-        return self._mask[1]
 
     def forward(self, q, k, v):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, s, d)
         cos, sin = self.rotary.cos_sin(q.shape[2], q.device, q.dtype)  # positions 0..s-1 of the whole sequence
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
-        mask = self.attn_mask(q.shape[2], q.device)  # (s, s) or None
+        mask = sliding_window_mask_or_none(q.shape[2], self.sliding_window, q.device)  # (s, s) bool, or None: causal
         with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])

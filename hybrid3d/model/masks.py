@@ -4,8 +4,14 @@ Sliding-window attention (Child et al. 2019; Mistral, Jiang et al. 2023): query 
 i - window < j <= i, the last `window` positions including itself, as HF's `sliding_window_overlay`
 combined with the causal mask. A window at least as long as the sequence masks nothing more than
 causality, so `sliding_window_mask_or_none` returns None there and SDPA keeps its `is_causal` path.
+
+The mask costs s² bytes, and SDPA keeps it for backward in every layer: `sliding_window_mask_or_none` hands
+all layers (and all micro-batches) one shared tensor per (s, window, device), so a stage holds s² bytes,
+not L·s². Callers must not modify it in place. On GPUs a boolean mask rules out the flash kernel; PyTorch
+takes its memory-efficient one, still without an s² score matrix.
 """
 
+import functools
 from typing import Optional
 
 import torch
@@ -22,4 +28,9 @@ def sliding_window_mask_or_none(seq_len: int, window: Optional[int], device=None
     """`sliding_window_mask`, or None when there is no window or it covers the whole sequence."""
     if window is None or window >= seq_len:
         return None
+    return _shared_mask(seq_len, window, torch.device(device) if device is not None else torch.device("cpu"))
+
+
+@functools.lru_cache(maxsize=8)  # a memo of a pure function: a few (s, window, device) keys per run
+def _shared_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
     return sliding_window_mask(seq_len, window, device)

@@ -53,6 +53,7 @@ def test_sliding_window_mask_matches_hf():
     assert ours.tolist() == [[bool(hf(t(0), t(0), t(i), t(j))) for j in range(12)] for i in range(12)]
     assert ours.sum(1).tolist() == [1, 2, 3, 4] + [5] * 8  # each query sees itself and at most 4 earlier keys
     assert sliding_window_mask_or_none(12, 12) is None and sliding_window_mask_or_none(12, None) is None
+    assert sliding_window_mask_or_none(12, 5) is sliding_window_mask_or_none(12, 5)  # one tensor for all layers
 
 
 def test_tp_plan_places_biases_and_head_norms():
