@@ -50,7 +50,7 @@ BAD_INPUTS = [
     ("hf-model-missing", lambda c: h(c).update(model={"hf_model": "/nonexistent/llama"}), None, [], 4,
      "hybrid3d.model.hf_model: /nonexistent/llama is not a folder"),
     ("bad-override-field", lambda c: h(c)["model"].update(config_overrides={"hidden_sise": 8}), None, [], 4,
-     "hybrid3d.model.config_overrides.hidden_sise is not a LlamaConfig field"),
+     "hybrid3d.model.config_overrides.hidden_sise is not a field of the model's HF config"),
     ("data-missing", lambda c: h(c)["data"].update(path="/nonexistent/data.jsonl"), None, [], 4,
      "hybrid3d.data.path: /nonexistent/data.jsonl does not exist"),
     ("tokenizer-missing", lambda c: h(c)["data"].update(tokenizer="/nonexistent/tok"), None, [], 4,
