@@ -1,4 +1,5 @@
-"""hf2hybrid: an HF Llama-family folder (Llama, Mistral, Qwen2, Qwen3, Mixtral) -> a module-only DeepSpeed checkpoint at a given TP/PP layout.
+"""hf2hybrid: an HF folder (Llama, Mistral, Qwen2, Qwen3, Mixtral) -> a module-only DeepSpeed checkpoint
+at a given TP/PP layout.
 
 The output is what `build_trainer(...).save(dir)` writes at that layout, minus optimizer state:
 the trainer loads it with `Trainer.load` (module weights, fresh optimizer). Slicing goes through

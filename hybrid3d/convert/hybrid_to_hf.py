@@ -61,7 +61,8 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     expected = hf_parameter_shapes(config)
     mapped = {spec.hf_name for spec in specs}
     if set(expected) != mapped:
-        raise RuntimeError(f"param_specs and {HF_CAUSAL_LM_CLASSES[shape.model_type]} disagree on {sorted(set(expected) ^ mapped)}")
+        raise RuntimeError(f"param_specs and {HF_CAUSAL_LM_CLASSES[shape.model_type]} disagree on "
+                           f"{sorted(set(expected) ^ mapped)}")
     num_layers = len(layer_classes(shape))
     checkpoint.check_layer_files(num_layers)
     dtype = dtype or checkpoint.stored_dtype()

@@ -1,4 +1,5 @@
-"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral) maps onto hybrid3d's layers and TP shards.
+"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral) maps onto hybrid3d's layers and
+TP shards.
 
 One table (`param_specs`, built from the TP plan in tp_plan.py) drives loading an HF state dict into any TP size and merging TP shards
 back, so the model, the converter and the universal-checkpoint patterns agree on q/k/v layout.

@@ -23,7 +23,11 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return replicated_weight(self.weight, self.tp) * x.to(input_dtype)
+        return self.tp_weight() * x.to(input_dtype)
+
+    def tp_weight(self):
+        """The weight as this rank multiplies by it; its gradient summed over TP with sequence parallelism."""
+        return replicated_weight(self.weight, self.tp)
 
 
 class HeadRMSNorm(RMSNorm):
@@ -32,8 +36,5 @@ class HeadRMSNorm(RMSNorm):
     is a partial sum over heads: backward sums it over TP (f on the weight), with or without
     sequence parallelism, as for k/v weights replicated over TP."""
 
-    def forward(self, x):
-        input_dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return copy_to_tp_region(self.weight, self.tp) * x.to(input_dtype)
+    def tp_weight(self):
+        return copy_to_tp_region(self.weight, self.tp)

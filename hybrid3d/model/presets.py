@@ -40,7 +40,8 @@ PRESETS = {
                        tie_word_embeddings=False),
     # q/k/v biases, 4 kv heads (Qwen/Qwen2.5-7B)
     "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=131072,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=131072,
                        rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
                        bos_token_id=151643, eos_token_id=151643),
     # q/k RMSNorm, head_dim 128 (Qwen/Qwen3-8B)

@@ -61,7 +61,8 @@ MOE_PLAN = {
 
 def block_weights(shape: LlamaShape) -> list[tuple[str, str]]:
     """(name under `<i + 1>.`, BLOCK_PLAN/MOE_PLAN template) of every decoder-block weight, in HF order:
-    BLOCK_PLAN for a dense block (biases and q/k norms only where the family has them); for a MoE block its MLP entries replaced by MOE_PLAN, experts expanded."""
+    BLOCK_PLAN for a dense block (biases and q/k norms only where the family has them); for a MoE block its
+    MLP entries replaced by MOE_PLAN, experts expanded."""
     out = []
     for name in BLOCK_PLAN:
         if (name in QKV_BIASES and not shape.qkv_bias) or (name in QK_NORMS and not shape.qk_norm):

@@ -107,7 +107,8 @@ def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple
         mlp = [shape.num_experts * h] + mlp * (shape.num_experts // ep)
     kv = kv_rows_per_rank(shape, t)
     bias = shape.qkv_bias  # Qwen2: each projection's bias follows its weight's rows
-    attention = [q * h] + [q] * bias + [kv * h] + [kv] * bias + [kv * h] + [kv] * bias + [h * q] + [d, d] * shape.qk_norm
+    attention = ([q * h] + [q] * bias + [kv * h] + [kv] * bias + [kv * h] + [kv] * bias + [h * q]
+                 + [d, d] * shape.qk_norm)
     block = [h] + attention + [h] + mlp  # input norm, q/k/v/o (+ Qwen3's q/k norms), post-attention norm, MLP
     specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block)] * shape.num_layers + [("FinalNorm", [h])]
     specs.append(("TiedEmbedding" if shape.tie_word_embeddings else "LMHead", [vocab_rows * h]))
