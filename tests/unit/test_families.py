@@ -94,3 +94,25 @@ def test_published_family_presets():
         assert model_parameters(LlamaShape.from_hf(config)) == pytest.approx(count, rel=1e-4), name
     assert LlamaShape.from_hf(preset_config("mistral-7b-v0.1")).sliding_window == 4096
     assert set(expected) <= set(PRESETS)
+
+
+def test_universal_checkpoint_patterns_follow_the_plan():
+    """ds_to_universal merges by name: Qwen3's q/k norms are replicated, Qwen2's biases concatenated like their
+    weights (neither row-parallel nor vocabulary), replicated with k/v when tp > kv heads."""
+    from deepspeed.checkpoint import constants as uc
+
+    from hybrid3d.checkpoint.universal import universal_checkpoint_info
+
+    def patterns(family, tp):
+        info = universal_checkpoint_info(LlamaShape.from_hf(family_config(family)), tp)
+        return {key: " ".join(info[key]) for key in (uc.TP_REPLICATED_PARAMETER_PATTERNS,
+                                                      uc.PARAMETER_WITH_ROW_PARALLELISM_PATTERNS,
+                                                      uc.VOCABULARY_PARAMETER_PATTERNS)}
+
+    qwen3 = patterns("qwen3", 2)
+    assert r"^1\.self_attn\.q_norm\.weight$" in qwen3[uc.TP_REPLICATED_PARAMETER_PATTERNS]
+    assert r"^4\.self_attn\.k_norm\.weight$" in qwen3[uc.TP_REPLICATED_PARAMETER_PATTERNS]
+    split, replicated = patterns("qwen2", 2), patterns("qwen2", 4)
+    assert "bias" not in " ".join(split.values())  # column-parallel: ds_to_universal's default, dim 0
+    assert r"^1\.self_attn\.k_proj\.bias$" in replicated[uc.TP_REPLICATED_PARAMETER_PATTERNS]
+    assert "q_proj" not in replicated[uc.TP_REPLICATED_PARAMETER_PATTERNS]
