@@ -4,7 +4,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 # Each case exercises a different part of the mapping; all have a vocabulary (203) that no
 # tp * 128 divides, so every layout pads.
@@ -45,8 +45,9 @@ def make_training_models(root) -> dict:
     return model_dirs
 
 
-def load_hf(directory, dtype=torch.float32) -> LlamaForCausalLM:
-    return LlamaForCausalLM.from_pretrained(directory, dtype=dtype).eval()
+def load_hf(directory, dtype=torch.float32):
+    """The HF class the folder's config names (LlamaForCausalLM, Qwen2ForCausalLM, ...), in eval mode."""
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).eval()
 
 
 def token_batch(vocab_size: int, batch: int = 2, seq: int = 16, seed: int = 1):

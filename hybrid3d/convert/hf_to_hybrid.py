@@ -1,4 +1,5 @@
-"""hf2hybrid: an HF Llama folder -> a module-only DeepSpeed checkpoint at a given TP/PP layout.
+"""hf2hybrid: an HF folder (Llama, Mistral, Qwen2, Qwen3, Mixtral) -> a module-only DeepSpeed checkpoint
+at a given TP/PP layout.
 
 The output is what `build_trainer(...).save(dir)` writes at that layout, minus optimizer state:
 the trainer loads it with `Trainer.load` (module weights, fresh optimizer). Slicing goes through
@@ -96,7 +97,7 @@ def check_source_tensors(source: HFSource, specs: list[ParamSpec]) -> None:
     expected = hf_parameter_shapes(source.config)
     mapped = {spec.hf_name for spec in specs}
     if set(expected) != mapped:
-        raise RuntimeError(f"param_specs and LlamaForCausalLM disagree on {sorted(set(expected) ^ mapped)}")
+        raise RuntimeError(f"param_specs and the HF class disagree on {sorted(set(expected) ^ mapped)}")
     for name, full_shape in expected.items():
         info = source.tensors.get(name)
         if info is None:
@@ -107,7 +108,7 @@ def check_source_tensors(source: HFSource, specs: list[ParamSpec]) -> None:
     tied_duplicates = {"lm_head.weight"} if source.config.tie_word_embeddings else set()
     for name, info in source.tensors.items():
         if name not in mapped and name not in tied_duplicates and not name.endswith(IGNORED_SUFFIXES):
-            raise ConversionError(f"{info.file}: tensor '{name}' has no place in a Llama "
+            raise ConversionError(f"{info.file}: tensor '{name}' has no place in the model "
                                   f"(model_type {source.config.model_type})")
 
 

@@ -1,4 +1,5 @@
-"""hybrid2hf: a hybrid3d DeepSpeed checkpoint -> an HF Llama folder `from_pretrained` loads.
+"""hybrid2hf: a hybrid3d DeepSpeed checkpoint -> an HF folder `from_pretrained` loads (Llama, Mistral, Qwen2,
+Qwen3 or Mixtral: config.json names the family's class).
 
 TP shards are merged with `merge_tp_shards` (the inverse of the slicing table; it strips the
 vocabulary padding and refuses replicated tensors that differ between TP ranks). Layers are read
@@ -26,7 +27,7 @@ from hybrid3d.convert.model_layout import hf_parameter_shapes
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from hybrid3d.errors import ConversionError
-from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.config import HF_CAUSAL_LM_CLASSES, LlamaShape
 from hybrid3d.model.hf_source import read_hf_config
 from hybrid3d.model.hf_weights import merge_tp_shards, param_specs
 from hybrid3d.model.layers import layer_classes
@@ -60,7 +61,8 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     expected = hf_parameter_shapes(config)
     mapped = {spec.hf_name for spec in specs}
     if set(expected) != mapped:
-        raise RuntimeError(f"param_specs and LlamaForCausalLM disagree on {sorted(set(expected) ^ mapped)}")
+        raise RuntimeError(f"param_specs and {HF_CAUSAL_LM_CLASSES[shape.model_type]} disagree on "
+                           f"{sorted(set(expected) ^ mapped)}")
     num_layers = len(layer_classes(shape))
     checkpoint.check_layer_files(num_layers)
     dtype = dtype or checkpoint.stored_dtype()
@@ -122,7 +124,7 @@ def _merge(spec, shards, shape: LlamaShape, full_shape: torch.Size) -> torch.Ten
 def _write_configs(config, dtype: torch.dtype, side_dir: Optional[Path], out: Path) -> None:
     """config.json for the exported dtype; generation config and tokenizer files copied when
     known, else a generation config derived from the model config."""
-    config.architectures = ["MixtralForCausalLM" if config.model_type == "mixtral" else "LlamaForCausalLM"]
+    config.architectures = [HF_CAUSAL_LM_CLASSES[config.model_type]]
     config.dtype = dtype
     copied = copy_metadata_files(side_dir, out, skip={"config.json"}) if side_dir is not None else []
     config.save_pretrained(out)

@@ -7,6 +7,11 @@ Rank r holds query heads [r*a/t, (r+1)*a/t). Key/value heads:
   weight gradient (non-zero only in those rows) is summed over TP, giving every replica the
   full gradient (the same rule as a replicated parameter).
 
+Per-family switches (`LlamaShape`): Qwen2's q/k/v biases follow their weights' rows (replicated with
+them when t > kv heads); Qwen3's q/k RMSNorm runs per head before RoPE, its (d,) weights replicated
+and their gradients summed over TP; Mistral's sliding window is a boolean SDPA mask (model/masks.py)
+when it is shorter than the sequence.
+
 Context parallelism (DeepSpeed-Ulysses, Jacobs et al. 2023) splits the sequence over c more ranks:
 each computes q/k/v for its s/c positions, `deepspeed.sequence.layer.DistributedAttention` exchanges
 them all-to-all for all s positions of a/(t·c) heads, the core attends over the whole sequence, and
@@ -24,7 +29,8 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.masks import document_causal_mask
+from hybrid3d.model.masks import document_causal_mask, sliding_window_mask_or_none
+from hybrid3d.model.norm import HeadRMSNorm
 from hybrid3d.model.tp_plan import COLUMN, block_kind, context_kv_heads, kv_heads_per_rank
 from hybrid3d.model.rope import RotaryFrequencies, apply_rope
 from hybrid3d.parallel.tensor_parallel import (
@@ -52,10 +58,18 @@ class ReplicatedKVProjection(nn.Module):
         full = (shape.num_kv_heads * shape.head_dim, shape.hidden_size)
         self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
         init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
+        # Qwen2's bias: replicated like the weight, this rank's head's entries used
+        self.bias = (nn.Parameter(torch.zeros(full[0], device=device, dtype=dtype)) if shape.qkv_bias
+                     else None)
+
+    def _head(self, tensor):  # backward: sum the head-sparse grads over TP
+        return copy_to_tp_region(tensor, self.tp)[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
 
     def head_rows(self):  # (d, h): the rows of this rank's kv head, a view autograd tracks
-        weight = copy_to_tp_region(self.weight, self.tp)  # backward: sum the row-sparse grads over TP
-        return weight[self.kv_head * self.head_dim:(self.kv_head + 1) * self.head_dim]
+        return self._head(self.weight)
+
+    def head_bias(self):  # (d,) or None
+        return None if self.bias is None else self._head(self.bias)
 
 
 class CoreAttention(nn.Module):
@@ -67,14 +81,16 @@ class CoreAttention(nn.Module):
         super().__init__()
         self.dropout = shape.attention_dropout
         self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        self.sliding_window = shape.sliding_window
 
     def forward(self, q, k, v, positions=None):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, s, d)
         cos, sin = self.rotary.cos_sin(q.shape[2], q.device, q.dtype)  # positions 0..s-1 of the whole sequence
-        mask = None
+        mask = sliding_window_mask_or_none(q.shape[2], self.sliding_window, q.device)  # (s, s) bool, or None: causal
         if positions is not None:  # each document from position 0, seeing only itself
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (b, 1, s, d)
-            mask = document_causal_mask(positions)  # (b, 1, s, s)
+            documents = document_causal_mask(positions)  # (b, 1, s, s)
+            mask = documents if mask is None else documents & mask
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
@@ -97,15 +113,19 @@ class Attention(nn.Module):
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
-        self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, init_method=init, **kw)
+        bias = shape.qkv_bias  # Qwen2: q/k/v biases split with their heads
+        self.q_proj = ColumnParallelLinear(h, shape.num_heads * d, tp, bias=bias, init_method=init, **kw)
         self.kv_replicated = block_kind("self_attn.k_proj.weight", shape, tp.size) != COLUMN
         if not self.kv_replicated:
-            self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, init_method=init, **kw)
-            self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, init_method=init, **kw)
+            self.k_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, bias=bias, init_method=init, **kw)
+            self.v_proj = ColumnParallelLinear(h, shape.num_kv_heads * d, tp, bias=bias, init_method=init, **kw)
         else:
             self.k_proj = ReplicatedKVProjection(shape, tp, **kw)
             self.v_proj = ReplicatedKVProjection(shape, tp, **kw)
         self.o_proj = RowParallelLinear(shape.num_heads * d, h, tp, input_is_parallel=True, init_method=init, **kw)
+        # Qwen3: per-head RMSNorm of q and k before RoPE, weights replicated over TP
+        self.q_norm = HeadRMSNorm(d, shape.rms_norm_eps, tp, **kw) if shape.qk_norm else None
+        self.k_norm = HeadRMSNorm(d, shape.rms_norm_eps, tp, **kw) if shape.qk_norm else None
         self.core = CoreAttention(shape)
         # batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
         self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
@@ -114,14 +134,19 @@ class Attention(nn.Module):
     def forward(self, x, positions=None):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same; positions (b, s)
         if self.kv_replicated:
             kv_weights = [self.k_proj.head_rows(), self.v_proj.head_rows()]
+            kv_biases = [self.k_proj.head_bias(), self.v_proj.head_bias()]
         else:
             kv_weights = [self.k_proj.weight, self.v_proj.weight]
+            kv_biases = [self.k_proj.bias, self.v_proj.bias]
         # q/k/v share one input-gradient all-reduce, overlapped with their weight gradients
-        q, k, v = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)  # SP: sequence gathered
+        qkv = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)  # SP: sequence gathered
+        q, k, v = (y if bias is None else y + bias for y, bias in zip(qkv, [self.q_proj.bias, *kv_biases]))
         b, s = q.shape[:2]  # s: this rank's s/c positions
         q = q.view(b, s, self.heads, self.head_dim)  # (b, s/c, a/t, d)
         k = k.view(b, s, self.kv_heads, self.head_dim)  # (b, s/c, kv/t, d)
         v = v.view(b, s, self.kv_heads, self.head_dim)
+        if self.q_norm is not None:  # per head, so before the context-parallel exchange as well as after
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.context_parallel is None:
             out = self.core(q, k, v, positions)
         else:

@@ -1,6 +1,11 @@
 """The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth), or
 a `MixtralConfig`: a Llama whose feed-forward is a mixture of experts (Jiang et al. 2024, Mixtral).
 
+The dense families that differ from Llama only in attention are the same decoder with switches set
+from their configs (`FAMILY_SWITCHES`): Qwen2/Qwen2.5 add biases to q/k/v (Bai et al. 2023), Qwen3
+RMS-normalises each query and key head before RoPE (Qwen team 2025), Mistral attends over a sliding
+window of the last `sliding_window` positions (Jiang et al. 2023).
+
 Only what the model can represent exactly is accepted; anything else is refused with a message
 naming the config field, so a converted model never silently differs from its HF original.
 """
@@ -11,7 +16,13 @@ from typing import Optional
 from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+# model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
+HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                        "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+# model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config)
+FAMILY_SWITCHES = {"llama": (False, False, False), "mistral": (False, False, True), "qwen2": (True, False, True),
+                   "qwen3": (False, True, True), "mixtral": (False, False, False)}
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,11 @@ class LlamaShape:
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
+    # Per-family attention switches (FAMILY_SWITCHES); `model_type` names the HF class an export writes.
+    model_type: str = "llama"
+    qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)
+    sliding_window: Optional[int] = None  # key j visible to query i iff i - window < j <= i (Mistral)
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -59,6 +75,8 @@ class LlamaShape:
             raise UnsupportedConfigError(f"expert_capacity_factor must be > 0, got {self.expert_capacity_factor}")
         if self.router_aux_loss_coef < 0:
             raise UnsupportedConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise UnsupportedConfigError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
 
     @property
     def is_moe(self) -> bool:
@@ -78,13 +96,15 @@ class LlamaShape:
                 f"model_type '{model_type}' is not supported (supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
         for flag in ("attention_bias", "mlp_bias"):
             if getattr(config, flag, False):
-                raise UnsupportedConfigError(f"{flag}=true is not supported (Llama has no biases)")
+                raise UnsupportedConfigError(f"{flag}=true is not supported (only Qwen2's q/k/v biases are)")
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
         moe = _mixtral_fields(config) if model_type == "mixtral" else {}
+        qkv_bias, qk_norm, windowed = FAMILY_SWITCHES[model_type]
         if model_type == "llama" and getattr(config, "sliding_window", None):
-            raise UnsupportedConfigError("sliding_window is not supported")
+            raise UnsupportedConfigError("sliding_window is not supported for model_type 'llama'")
+        sliding_window = _sliding_window(config) if windowed else None
         if getattr(config, "pretraining_tp", 1) not in (None, 1):
             raise UnsupportedConfigError(f"pretraining_tp={config.pretraining_tp} is not supported (only 1)")
 
@@ -121,8 +141,30 @@ class LlamaShape:
             initializer_range=getattr(config, "initializer_range", 0.02),
             attention_dropout=float(getattr(config, "attention_dropout", 0.0) or 0.0),
             vocab_pad_multiple=vocab_pad_multiple,
+            model_type=model_type,
+            qkv_bias=qkv_bias,
+            qk_norm=qk_norm,
+            sliding_window=sliding_window,
             **moe,
         )
+
+
+def _sliding_window(config) -> Optional[int]:
+    """The one window every layer attends with, or None for full causal attention. Mistral windows every
+    layer; Qwen2/Qwen3 only with use_sliding_window, per `layer_types` (layers >= max_window_layers).
+    A model whose layers differ is refused: the decoder blocks are built alike."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if config.model_type != "mistral" and layer_types:
+        kinds = set(layer_types)
+        if len(kinds) > 1:
+            raise UnsupportedConfigError(
+                f"layer_types mixes {' and '.join(sorted(kinds))} (use_sliding_window with max_window_layers "
+                f"{getattr(config, 'max_window_layers', None)} < num_hidden_layers {config.num_hidden_layers}) "
+                "is not supported: only the same attention in every layer")
+        if kinds != {"sliding_attention"}:
+            return None
+    return window
 
 
 def _mixtral_fields(config) -> dict:

@@ -1,12 +1,13 @@
-"""How each Hugging Face Llama tensor maps onto hybrid3d's layers and TP shards.
+"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral) maps onto hybrid3d's layers and
+TP shards.
 
 One table (`param_specs`, built from the TP plan in tp_plan.py) drives loading an HF state dict into any TP size and merging TP shards
 back, so the model, the converter and the universal-checkpoint patterns agree on q/k/v layout.
 Shard kinds:
 - vocab:      padded to the model's padded vocabulary, then split along dim 0 (embedding, untied head);
-- column:     split along dim 0 (q/k/v, gate/up);
+- column:     split along dim 0 (q/k/v and Qwen2's q/k/v biases, gate/up);
 - row:        split along dim 1 (o, down);
-- replicated: identical on every TP rank (norms; k/v when tp > kv heads).
+- replicated: identical on every TP rank (norms, Qwen3's q/k norms; k/v and their biases when tp > kv heads).
 HF's q/k/v rows are already grouped by head in RoPE's half-split order, so contiguous row blocks
 are whole heads and no permutation is needed.
 

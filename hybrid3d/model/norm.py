@@ -5,7 +5,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from hybrid3d.parallel.tensor_parallel import TensorParallelGroup, replicated_weight
+from hybrid3d.parallel.tensor_parallel import TensorParallelGroup, copy_to_tp_region, replicated_weight
 
 
 class RMSNorm(nn.Module):
@@ -23,4 +23,18 @@ class RMSNorm(nn.Module):
         input_dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return replicated_weight(self.weight, self.tp) * x.to(input_dtype)
+        return self.tp_weight() * x.to(input_dtype)
+
+    def tp_weight(self):
+        """The weight as this rank multiplies by it; its gradient summed over TP with sequence parallelism."""
+        return replicated_weight(self.weight, self.tp)
+
+
+class HeadRMSNorm(RMSNorm):
+    """Qwen3's q_norm / k_norm: RMSNorm over head_dim, one (d,) weight shared by every head.
+    (b, s, heads/t, d) -> the same. Each TP rank normalises only its own heads, so its weight gradient
+    is a partial sum over heads: backward sums it over TP (f on the weight), with or without
+    sequence parallelism, as for k/v weights replicated over TP."""
+
+    def tp_weight(self):
+        return copy_to_tp_region(self.weight, self.tp)

@@ -1,10 +1,11 @@
-"""Published Llama shapes as `transformers.LlamaConfig`s, for planning and for the training config's
-`hybrid3d.model.preset` key. Values are those of the models' released `config.json` files.
+"""Published model shapes as `transformers` configs (LlamaConfig, or the family's class where an entry names a
+`model_type`), for planning and for the training config's `hybrid3d.model.preset` key. Values are those of
+the models' released `config.json` files.
 
 `tiny` is a CPU demo model; its `vocab_size` is a placeholder that a tokenizer overrides.
 """
 
-from transformers import LlamaConfig
+from transformers import AutoConfig, PretrainedConfig
 
 from hybrid3d.errors import UserError
 
@@ -37,11 +38,29 @@ PRESETS = {
     "llama3-70b": dict(_LLAMA3_COMMON, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
                        num_attention_heads=64, num_key_value_heads=8, max_position_embeddings=8192,
                        tie_word_embeddings=False),
+    # q/k/v biases, 4 kv heads (Qwen/Qwen2.5-7B)
+    "qwen2.5-7b": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                       num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
+                       max_position_embeddings=131072,
+                       rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, use_sliding_window=False,
+                       bos_token_id=151643, eos_token_id=151643),
+    # q/k RMSNorm, head_dim 128 (Qwen/Qwen3-8B)
+    "qwen3-8b": dict(model_type="qwen3", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                     num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
+                     max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                     attention_bias=False, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    # sliding window of 4096 (mistralai/Mistral-7B-v0.1)
+    "mistral-7b-v0.1": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
+                            num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                            max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
+                            tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
 }
 
 
-def preset_config(name: str) -> LlamaConfig:
-    """A fresh `LlamaConfig` for preset `name`; UnknownPresetError (a KeyError) lists the known names."""
+def preset_config(name: str) -> PretrainedConfig:
+    """A fresh config for preset `name` (LlamaConfig unless it names a `model_type`); UnknownPresetError (a
+    KeyError) lists the known names."""
     if name not in PRESETS:
         raise UnknownPresetError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})")
-    return LlamaConfig(**PRESETS[name])
+    fields = dict(PRESETS[name])
+    return AutoConfig.for_model(fields.pop("model_type", "llama"), **fields)

@@ -5,6 +5,8 @@ merging (hf_weights.py), the universal-checkpoint patterns (checkpoint/universal
 and traffic models (planning/). Megatron-LM's layout (Shoeybi et al., 2019): q/k/v and gate/up are
 column-parallel (output features split), o and down row-parallel (input features split), norms
 replicated, the embedding and the untied LM head split over the (padded) vocabulary.
+Qwen2's q/k/v biases follow their weights' rows (whole heads); Qwen3's q/k norm weights, (d,) and shared
+by every head, are replicated, their gradients summed over TP (each rank normalises only its heads).
 
 Key/value heads (GQA) are the one rule that depends on the sizes: split like q when t <= kv heads;
 when t is a multiple of kv heads, the full k/v weights are replicated on every rank, each rank uses
@@ -28,9 +30,14 @@ KV = "kv"  # COLUMN or REPLICATED, by `kv_heads_split`
 # Decoder-block weights (HF names under `model.layers.<i>.`, hybrid3d names under `<i + 1>.`).
 BLOCK_PLAN = {
     "self_attn.q_proj.weight": COLUMN,
+    "self_attn.q_proj.bias": COLUMN,
     "self_attn.k_proj.weight": KV,
+    "self_attn.k_proj.bias": KV,
     "self_attn.v_proj.weight": KV,
+    "self_attn.v_proj.bias": KV,
     "self_attn.o_proj.weight": ROW,
+    "self_attn.q_norm.weight": REPLICATED,
+    "self_attn.k_norm.weight": REPLICATED,
     "mlp.gate_proj.weight": COLUMN,
     "mlp.up_proj.weight": COLUMN,
     "mlp.down_proj.weight": ROW,
@@ -39,6 +46,9 @@ BLOCK_PLAN = {
 }
 EMBEDDING, FINAL_NORM, LM_HEAD = VOCAB, REPLICATED, VOCAB
 DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight")
+# Present only where the family has them (LlamaShape.qkv_bias, .qk_norm).
+QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
+QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
 # A mixture-of-experts block's feed-forward (hybrid3d names; `{e}` is the expert index 0..E-1).
 MOE_PLAN = {
@@ -51,9 +61,12 @@ MOE_PLAN = {
 
 def block_weights(shape: LlamaShape) -> list[tuple[str, str]]:
     """(name under `<i + 1>.`, BLOCK_PLAN/MOE_PLAN template) of every decoder-block weight, in HF order:
-    BLOCK_PLAN for a dense block; for a MoE block its MLP entries replaced by MOE_PLAN, experts expanded."""
+    BLOCK_PLAN for a dense block (biases and q/k norms only where the family has them); for a MoE block its
+    MLP entries replaced by MOE_PLAN, experts expanded."""
     out = []
     for name in BLOCK_PLAN:
+        if (name in QKV_BIASES and not shape.qkv_bias) or (name in QK_NORMS and not shape.qk_norm):
+            continue
         if not (shape.is_moe and name in DENSE_MLP):
             out.append((name, name))
         elif name == DENSE_MLP[0]:

@@ -94,7 +94,8 @@ def zero_paper_bytes(psi: float, nd: int, stage: int, k: int = 12) -> float:
 def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple[str, list[int]]]:
     """(layer type, tensor sizes on one TP rank in registration order) for every pipeline layer spec.
 
-    Mirrors `hybrid3d.model.layers`: [Embedding, DecoderBlock x L, FinalNorm, LMHead (untied)] and,
+    Mirrors `hybrid3d.model.layers` (and the TP plan's per-family biases and q/k norms):
+    [Embedding, DecoderBlock x L, FinalNorm, LMHead (untied)] and,
     when tied, the head is a second copy of the embedding (a TiedLayerSpec on the last stage). A
     mixture-of-experts block (`model/moe.py`) holds the replicated router (E, h) and, with expert
     parallelism e, E/e experts, each split over TP like the dense MLP."""
@@ -104,7 +105,11 @@ def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple
     mlp = [f // t * h, f // t * h, h * (f // t)]  # gate, up, down
     if shape.is_moe:
         mlp = [shape.num_experts * h] + mlp * (shape.num_experts // ep)
-    block = [h, q * h, kv_rows_per_rank(shape, t) * h, kv_rows_per_rank(shape, t) * h, h * q, h] + mlp
+    kv = kv_rows_per_rank(shape, t)
+    bias = shape.qkv_bias  # Qwen2: each projection's bias follows its weight's rows
+    attention = ([q * h] + [q] * bias + [kv * h] + [kv] * bias + [kv * h] + [kv] * bias + [h * q]
+                 + [d, d] * shape.qk_norm)
+    block = [h] + attention + [h] + mlp  # input norm, q/k/v/o (+ Qwen3's q/k norms), post-attention norm, MLP
     specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block)] * shape.num_layers + [("FinalNorm", [h])]
     specs.append(("TiedEmbedding" if shape.tie_word_embeddings else "LMHead", [vocab_rows * h]))
     return specs

@@ -318,9 +318,9 @@ def load_shape(model: str) -> LlamaShape:
     if os.path.isdir(model):
         if not os.path.isfile(os.path.join(model, "config.json")):
             raise UserError(f"{model}: no config.json in this directory")
-        from transformers import LlamaConfig
+        from hybrid3d.model.hf_source import read_hf_config
 
-        return LlamaShape.from_hf(LlamaConfig.from_pretrained(model))
+        return LlamaShape.from_hf(read_hf_config(model))  # the family's own config class (AutoConfig)
     raise UserError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
 
 

@@ -90,9 +90,12 @@ def tp_bytes_by_op(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: i
     layers = stage_layer_count(shape, pp, stage)
     first, last = stage == 0, stage == pp - 1
     cross_entropy = 3 * b * s_c * 4 if last else 0  # fp32: the max, then target logit and sum of exps in one
+    d = shape.head_dim
     kv_grads = 0
-    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v: their weight gradients are summed over TP
-        kv_grads = layers * 2 * shape.num_kv_heads * shape.head_dim * h * act_bytes
+    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v (and biases): their gradients are summed over TP
+        kv_grads = layers * 2 * shape.num_kv_heads * d * (h + (1 if shape.qkv_bias else 0)) * act_bytes
+    if shape.qk_norm:  # Qwen3's q/k norm weights: each rank's gradient covers its heads, summed over TP
+        kv_grads += layers * 2 * d * act_bytes
     if not sequence_parallel:
         forward = 2 * layers * x + (x if first else 0) + cross_entropy
         backward = 2 * layers * x + (x if last else 0) + kv_grads  # last: LM head input gradient (f)

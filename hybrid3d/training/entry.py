@@ -26,7 +26,7 @@ from hybrid3d.model.pipe import check_schedule_stages
 from hybrid3d.model.tp_plan import check_moe_options, check_split
 
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "tie_word_embeddings")
+                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
 
 
 def parse_args(argv):

@@ -1,4 +1,4 @@
-"""Where the model comes from: a local HF Llama folder or a named preset, plus its tokenizer."""
+"""Where the model comes from: a local HF folder of a supported family or a named preset, plus its tokenizer."""
 
 import hashlib
 import os
@@ -15,7 +15,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 
 @dataclass
 class ModelSource:
-    hf_config: object  # transformers.LlamaConfig, vocab_size settled
+    hf_config: object  # the family's transformers config (LlamaConfig, Qwen2Config, ...), vocab_size settled
     tokenizer_dir: Optional[str]  # None: the model folder has none and the built-in one does not fit it
     chat_template: Optional[str]  # hybrid3d.data.chat_template: a Jinja file for the tokenizer
     hf_dir: Optional[str]
@@ -90,10 +90,10 @@ def resolve_model(model: ModelSection, data: DataSection) -> ModelSource:
         except KeyError as e:
             raise ConfigError(f"hybrid3d.model.preset: {e.args[0]}") from None
     else:
-        raise ConfigError("hybrid3d.model: set preset (e.g. \"tiny\") or hf_model (a local Llama folder)")
+        raise ConfigError("hybrid3d.model: set preset (e.g. \"tiny\") or hf_model (a local Hugging Face model folder)")
     for key, value in model.config_overrides.items():
         if not hasattr(config, key):
-            raise ConfigError(f"hybrid3d.model.config_overrides.{key} is not a LlamaConfig field")
+            raise ConfigError(f"hybrid3d.model.config_overrides.{key} is not a field of the model's HF config")
         setattr(config, key, value)
 
     if data.chat_template and not os.path.isfile(data.chat_template):

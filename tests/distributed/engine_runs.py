@@ -56,10 +56,10 @@ def ds_config(tp: int, pp: int, zero: int, **extra) -> dict:
     return config
 
 
-def hf_reference_run(model_dir, steps: int = STEPS) -> dict:
+def hf_reference_run(model_dir, steps: int = STEPS, dtype=torch.float32) -> dict:
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    model = load_hf(model_dir).train()
+    model = load_hf(model_dir, dtype).train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
                                   weight_decay=OPTIM["weight_decay"])
     scheduler = WarmupLR(optimizer, **WARMUP)

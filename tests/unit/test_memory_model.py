@@ -35,7 +35,8 @@ def test_published_parameter_counts():
         assert model_parameters(LlamaShape.from_hf(preset_config(name))) == pytest.approx(count, rel=2e-3), name
     with pytest.raises(KeyError, match="known: tiny, llama2-7b"):
         preset_config("llama9")
-    assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3.2-1b", "llama3-70b"}
+    assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3.2-1b", "llama3-70b", "qwen2.5-7b", "qwen3-8b",
+                            "mistral-7b-v0.1"}
 
 
 def test_hand_counted_tiny_model_per_layout():
