@@ -3,7 +3,9 @@
 import json
 from dataclasses import fields
 
+from hybrid3d.config.ds_keys import key_problem
 from hybrid3d.config.sections import SECTION, HybridSection
+from hybrid3d.ds_internals.config_keys import launcher_flags
 from hybrid3d.errors import ConfigError
 
 
@@ -15,6 +17,11 @@ def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --train.steps 100")
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name in launcher_flags():  # the runner passed its own flag on because it came after the script
+            flag = arg if "=" in arg or i + 1 >= len(args) or args[i + 1].startswith("--") else f"{arg} {args[i + 1]}"
+            raise ConfigError(f"{arg} is a flag of the deepspeed launcher, which passes it on to the script when "
+                              f"it comes after it: put it before the script (deepspeed {flag} launch/train.py ...)")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
             i += 1
@@ -43,6 +50,10 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, str]]) -> list[str]:
             raise ConfigError(f"override --{key} is not a valid dotted key")
         if parts[0] in hybrid_fields:
             parts = [SECTION] + parts
+        elif parts[0] != SECTION:
+            problem = key_problem(parts)
+            if problem:
+                raise ConfigError(f"override --{key}: {problem}")
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
