@@ -67,4 +67,24 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, str]]) -> list[str]:
         old = node.get(parts[-1], "<unset>")
         node[parts[-1]] = value
         log.append(f"{'.'.join(parts)}: {json.dumps(old) if old != '<unset>' else old} -> {json.dumps(value)}")
+    return log + _model_choice_wins(raw, [k.split(".") for k, _ in overrides])
+
+
+# A model source named on the command line replaces the other one the JSON names (they are exclusive), so
+# `--model.hf_model DIR` works with a config written for a preset.
+_REPLACES = {"hf_model": ("preset",), "preset": ("hf_model", "init_from_hf")}
+
+
+def _model_choice_wins(raw: dict, keys: list[list[str]]) -> list[str]:
+    given = {k[-1] for k in keys if k[:-1] in (["model"], [SECTION, "model"])}
+    model = raw.get(SECTION, {}).get("model")
+    log = []
+    for chosen, replaced in _REPLACES.items():
+        if chosen not in given or not isinstance(model, dict) or model.get(chosen) is None:
+            continue
+        for key in replaced:
+            if key not in given and model.get(key) not in (None, False):
+                log.append(f"{SECTION}.model.{key}: {json.dumps(model[key])} -> null (replaced by "
+                           f"--model.{chosen} from the command line)")
+                del model[key]
     return log
