@@ -52,10 +52,16 @@ def _verify(args) -> int:
     from hybrid3d.convert.hybrid_source import HybridCheckpoint
     from hybrid3d.model.config import LlamaShape
     from hybrid3d.model.hf_source import read_hf_config
+    from hybrid3d.errors import UserError
     from hybrid3d.parallel.layout import ParallelLayout
+    from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
     from hybrid3d.training.trainer import build_trainer
 
     checkpoint = HybridCheckpoint.open(args.checkpoint, args.tag)
+    if not launched() and checkpoint.tp * checkpoint.pp > 1:
+        raise UserError(launch_hint(checkpoint.tp * checkpoint.pp, f"{args.checkpoint} (tp {checkpoint.tp} x pp "
+                                    f"{checkpoint.pp})", "--module hybrid3d.verify --hf-model ... --checkpoint ..."))
+    use_single_process_world()
     config = read_hf_config(args.hf_model)
     pad = args.vocab_pad_multiple or checkpoint.section.get("vocab_pad_multiple", 128)
     shape = LlamaShape.from_hf(config, vocab_pad_multiple=pad)
