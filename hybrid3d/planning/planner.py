@@ -341,7 +341,8 @@ def _positive(kind):
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="python -m hybrid3d.plan", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
+    parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
     parser.add_argument("--model", required=True, help="preset name or Hugging Face model directory")
     parser.add_argument("--gpus", type=_positive(int), required=True)
     parser.add_argument("--gpu-memory", type=_positive(float), required=True, help="GB per GPU")

@@ -125,3 +125,24 @@ def test_single_process_world_sets_the_launcher_variables(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     use_single_process_world()  # launched now: left alone
     assert os.environ["MASTER_PORT"] == port
+
+
+def test_cli_descriptions_are_whole_sentences():
+    from hybrid3d.convert.verify import build_parser
+
+    description = build_parser().description
+    assert description.endswith("what its Hugging Face original computes?"), description
+
+
+def test_gitignore_covers_what_the_readme_commands_write():
+    import re
+    import subprocess
+
+    from tests.launcher.harness import REPO
+
+    readme = (REPO / "README.md").read_text()
+    written = set(re.findall(r"--out (\S+)", readme)) | set(re.findall(r"--train\.output_dir (\S+)", readme))
+    assert written, "the README's commands write no folder?"
+    for path in sorted(written):
+        ignored = subprocess.run(["git", "check-ignore", "-q", f"{path}/x"], cwd=REPO).returncode == 0
+        assert ignored, f"{path} (written by a README command) is not in .gitignore"
