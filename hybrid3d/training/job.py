@@ -280,14 +280,17 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             watchdog.beat(f"the evaluation at step {step}")
             eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
+        # after a signal the console carries only the stop line: the launcher may have returned already
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
-                      extra=extra)
+                      extra=extra, echo=stop.signal_name is None)
         if saves.due(step):
             save(step)
         if stop.agreed():
             who = stop.who()
             path = save(step)
-            info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
+            # the last line of the job: nothing is printed after it (run_job's teardown is silent)
+            info(f"stopped by {who} after step {step}; checkpoint {path} committed (resume with --checkpoint.load "
+                 f"{'latest' if path.parent == job.save_dir else path.parent})", is_rank0)
             return 0
     path = save(step)
     if last_eval is not None and is_rank0:
