@@ -40,10 +40,19 @@ class _RecordingDict(dict):
         return super().__contains__(key)
 
 
+class _OneReplica:
+    """The `mpu` of the probe: one data-parallel rank, so `_BATCH` holds whether or not a process group exists
+    (DeepSpeedConfig's batch arithmetic otherwise takes the world size from `deepspeed.comm`)."""
+
+    @staticmethod
+    def get_data_parallel_world_size() -> int:
+        return 1
+
+
 def _parse(config: dict) -> None:
     from deepspeed.runtime.config import DeepSpeedConfig
 
-    DeepSpeedConfig(config, mpu=None)
+    DeepSpeedConfig(config, mpu=_OneReplica())
 
 
 def _constants(module, prefix: str) -> set:
@@ -111,7 +120,9 @@ def top_level_keys() -> frozenset:
     """Every top-level key DeepSpeed 0.19.8 reads."""
     seen = set()
     _parse(_RecordingDict(seen, (), _BATCH))
-    return frozenset({path[0] for path in seen} | set(_model_sections()) | set(_other_sections()))
+    # sequence_parallel_size: read only without an mpu (runtime/config.py:468-470), which the probe passes
+    return frozenset({path[0] for path in seen} | set(_model_sections()) | set(_other_sections())
+                     | {"sequence_parallel_size"})
 
 
 @functools.lru_cache(maxsize=None)
