@@ -90,7 +90,8 @@ def test_steps_below_the_checkpoint_step_is_an_error(tmp_path, monkeypatch, caps
     out = _fake_previous_run(tmp_path, step=21)
     code, err = _run_main(tmp_path, monkeypatch, capsys, ["--checkpoint.load", "latest", "--train.steps", "10"])
     assert code == 2 and err == (
-        f"error: hybrid3d.train.steps (10) is not above the step of the checkpoint {out / 'checkpoints' / 'global_step21'}"
+        "error: hybrid3d.train.steps (10) is not above the step of the checkpoint "
+        f"{out / 'checkpoints' / 'global_step21'}"
         " (21): nothing to train (raise train.steps, or use --eval-only to evaluate it)"), err
 
 
