@@ -93,7 +93,8 @@ def ratio(numerators, denominators) -> str:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
+    parser = argparse.ArgumentParser(description=summary)
     parser.add_argument("--before", required=True, help="git revision of the version to compare against")
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--tp", type=int, default=2)

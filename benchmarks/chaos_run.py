@@ -72,7 +72,9 @@ def chaos(config: Path, out: Path, world: int, kills: int, min_wait: float, max_
     done, lost, attempts = 0, 0, 0
     while True:
         attempts += 1
-        resume = ["--checkpoint.load", "latest"] if (out / "checkpoints" / "latest").exists() else []
+        # killed before its first checkpoint: start over (its metrics.jsonl would be refused as a previous run's)
+        resume = (["--checkpoint.load", "latest"] if (out / "checkpoints" / "latest").exists()
+                  else ["--train.overwrite", "true"])
         logged = len(metrics(out))
         proc = subprocess.Popen(command(config, world, 29500 + attempts % 500, *resume), stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, env=env(), start_new_session=True)

@@ -7,4 +7,6 @@ cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
 python -m pip install --quiet -e .
 export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"  # the CPU demo; also spares each rank the detection warning
-exec deepspeed --log_level error --num_gpus 4 launch/train.py --deepspeed_config ds_configs/cpu_demo.json "$@"
+# a demo starts over each time (outputs/cpu_demo of an earlier one would otherwise be refused as a previous run)
+exec deepspeed --log_level error --num_gpus 4 launch/train.py --deepspeed_config ds_configs/cpu_demo.json \
+    --train.overwrite true "$@"

@@ -33,9 +33,12 @@ def find_checkpoint(load: str, save_dir: Optional[str]) -> tuple[Path, str]:
         folder = Path(save_dir)
     else:
         folder = Path(load)
+    latest = folder / "latest"
+    if load == "latest" and not latest.is_file() and not (folder / META_FILE).is_file():
+        raise ConfigError(f"{key}=latest: there is no checkpoint in {folder} yet (nothing to resume: leave "
+                          "checkpoint.load unset for a new run)")
     if not folder.is_dir():
         raise ConfigError(f"{key}: {folder} is not a folder")
-    latest = folder / "latest"
     if latest.is_file():
         tag = latest.read_text().strip()
         if not (folder / tag).is_dir():

@@ -50,27 +50,46 @@ def universal_source_id(tag_dir: Path) -> str:
     return hashlib.sha256(meta.read_bytes()).hexdigest() if meta.is_file() else f"no {META_FILE}"
 
 
-def convert_to_universal(plan) -> Path:
+def convert_to_universal(plan, into: Path | None = None) -> Path:
     """Run DeepSpeed's `ds_to_universal` on the tag, once: the result is kept next to it as `<tag>_universal`.
     `plan` is a `hybrid3d.checkpoint.resume.ResumePlan`.
 
     The conversion writes into `<tag>_universal.incomplete` and is renamed into place only after its marker (the
     source's `universal_source_id`) is written, so a killed conversion is never reused; an existing
-    `<tag>_universal` whose marker does not name this tag's contents is removed and converted again."""
+    `<tag>_universal` whose marker does not name this tag's contents is removed and converted again. `into`: another
+    folder for it (an evaluation writes nothing into the checkpoint folder: `scratch_folder`); every rank of a
+    node may convert there at once (another node's temporary folder is not shared), so each stages in its own
+    folder and the first one renamed into place wins."""
     source = plan.load_dir / plan.tag
-    output = plan.load_dir / plan.universal_tag
+    output = (into or plan.load_dir) / plan.universal_tag
     wanted = universal_source_id(source)
     marker = output / UNIVERSAL_MARKER
     if marker.is_file() and json.loads(marker.read_text()).get("source") == wanted:
         return output
-    staging = output.with_name(output.name + ".incomplete")
+    staging = output.with_name(output.name + (f".incomplete-{os.getpid()}" if into else ".incomplete"))
     for stale in (output, staging):
         if stale.exists():
             shutil.rmtree(stale)
+    staging.parent.mkdir(parents=True, exist_ok=True)
     subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
                     "--input_folder", str(source), "--output_folder", str(staging),
                     "--num_extract_workers", "1", "--num_merge_workers", "1"],
                    check=True, stdout=subprocess.DEVNULL)
     (staging / UNIVERSAL_MARKER).write_text(json.dumps({"source": wanted, "tag": plan.tag}))
-    os.replace(staging, output)
+    try:
+        os.replace(staging, output)
+    except OSError:  # another rank of this node renamed its conversion into place first
+        if not (marker.is_file() and json.loads(marker.read_text()).get("source") == wanted):
+            raise
+        shutil.rmtree(staging)
     return output
+
+
+def scratch_folder(plan) -> Path:
+    """A folder outside the checkpoint for an evaluation's universal conversion (this node's temporary folder),
+    named by the source tag's path and contents so every rank of the node finds the same one."""
+    import tempfile
+
+    source = plan.load_dir / plan.tag
+    key = hashlib.sha256(f"{source.resolve()}:{universal_source_id(source)}".encode()).hexdigest()[:16]
+    return Path(tempfile.gettempdir()) / f"hybrid3d-eval-{key}"

@@ -3,7 +3,9 @@
 import json
 from dataclasses import fields
 
+from hybrid3d.config.ds_keys import key_problem
 from hybrid3d.config.sections import SECTION, HybridSection
+from hybrid3d.ds_internals.config_keys import launcher_flags
 from hybrid3d.errors import ConfigError
 
 
@@ -15,6 +17,11 @@ def parse_override_args(args: list[str]) -> list[tuple[str, str]]:
         arg = args[i]
         if not arg.startswith("--") or len(arg) == 2:
             raise ConfigError(f"unexpected argument {arg!r}: overrides look like --train.steps 100")
+        name = arg[2:].split("=", 1)[0].replace("-", "_")
+        if name in launcher_flags():  # the runner passed its own flag on because it came after the script
+            flag = arg if "=" in arg or i + 1 >= len(args) or args[i + 1].startswith("--") else f"{arg} {args[i + 1]}"
+            raise ConfigError(f"{arg} is a flag of the deepspeed launcher, which passes it on to the script when "
+                              f"it comes after it: put it before the script (deepspeed {flag} launch/train.py ...)")
         if "=" in arg:
             key, value = arg[2:].split("=", 1)
             i += 1
@@ -43,6 +50,10 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, str]]) -> list[str]:
             raise ConfigError(f"override --{key} is not a valid dotted key")
         if parts[0] in hybrid_fields:
             parts = [SECTION] + parts
+        elif parts[0] != SECTION:
+            problem = key_problem(parts)
+            if problem:
+                raise ConfigError(f"override --{key}: {problem}")
         try:
             value = json.loads(text)
         except json.JSONDecodeError:
@@ -56,4 +67,24 @@ def apply_overrides(raw: dict, overrides: list[tuple[str, str]]) -> list[str]:
         old = node.get(parts[-1], "<unset>")
         node[parts[-1]] = value
         log.append(f"{'.'.join(parts)}: {json.dumps(old) if old != '<unset>' else old} -> {json.dumps(value)}")
+    return log + _model_choice_wins(raw, [k.split(".") for k, _ in overrides])
+
+
+# A model source named on the command line replaces the other one the JSON names (they are exclusive), so
+# `--model.hf_model DIR` works with a config written for a preset.
+_REPLACES = {"hf_model": ("preset",), "preset": ("hf_model", "init_from_hf")}
+
+
+def _model_choice_wins(raw: dict, keys: list[list[str]]) -> list[str]:
+    given = {k[-1] for k in keys if k[:-1] in (["model"], [SECTION, "model"])}
+    model = raw.get(SECTION, {}).get("model")
+    log = []
+    for chosen, replaced in _REPLACES.items():
+        if chosen not in given or not isinstance(model, dict) or model.get(chosen) is None:
+            continue
+        for key in replaced:
+            if key not in given and model.get(key) not in (None, False):
+                log.append(f"{SECTION}.model.{key}: {json.dumps(model[key])} -> null (replaced by "
+                           f"--model.{chosen} from the command line)")
+                del model[key]
     return log

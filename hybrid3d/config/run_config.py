@@ -16,6 +16,7 @@ from hybrid3d.config.ds_checks import (
     check_zero_and_precision,
     complete_batch_sizes,
 )
+from hybrid3d.config.ds_keys import check_deepspeed_keys
 from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section
 from hybrid3d.errors import ConfigError
 
@@ -77,6 +78,7 @@ class RunConfig:
 
 def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True) -> RunConfig:
     """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks."""
+    check_deepspeed_keys({k: v for k, v in raw.items() if k != SECTION})
     hybrid = parse_hybrid_section(raw)
     tp, pp, cp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size, hybrid.context_parallel_size
     if world_size % (tp * pp * cp):

@@ -47,6 +47,9 @@ class TrainSection:
     output_dir: str = "outputs/run"
     peak_tflops: Optional[float] = None  # per device, for MFU; None = from the device table
     on_nonfinite: str = "stop"  # a NaN/inf loss or gradient norm: "stop" the job, or "skip" the update
+    # Start over an output folder that holds another run (its metrics.jsonl and checkpoints are removed first);
+    # without it such a folder is refused unless checkpoint.load resumes that run.
+    overwrite: bool = False
 
 
 @dataclass(frozen=True)

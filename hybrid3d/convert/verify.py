@@ -1,13 +1,13 @@
 """`python -m hybrid3d.verify --hf-model DIR --checkpoint DIR`: does a hybrid checkpoint compute
 what its Hugging Face original computes?
 
-Run it under the launcher (`deepspeed --num_gpus N --module hybrid3d.verify ...`) with N a multiple of
-the checkpoint's tp * pp (the rest is data parallel). It loads the checkpoint into the TP model
-at the layout it was saved in, runs one random token batch through it and through HF's
-`LlamaForCausalLM` / `MixtralForCausalLM` (fp32; a Mixtral's loss includes router_aux_loss_coef times
-its load-balancing loss on both sides), and prints the largest logit difference (absolute, and relative to
-the largest HF logit), the loss difference and the top-1 agreement. Exit codes: 0 within
-tolerance, 1 outside it, 2 for a user error.
+A checkpoint of tp * pp = 1 runs as a plain process; others run under the launcher (`deepspeed --num_gpus N
+--module hybrid3d.verify ...`) with N a multiple of the checkpoint's tp * pp (the rest is data parallel). It
+loads the checkpoint into the TP model at the layout it was saved in, runs one random token batch through it
+and through HF's `LlamaForCausalLM` / `MixtralForCausalLM` (fp32; a Mixtral's loss includes
+router_aux_loss_coef times its load-balancing loss on both sides), and prints the largest logit difference
+(absolute, and relative to the largest HF logit), the loss difference and the top-1 agreement. Exit codes: 0
+within tolerance, 1 outside it, 2 for a user error.
 """
 
 import argparse
@@ -17,7 +17,8 @@ DEFAULT_RTOL = {"fp32": 1e-5, "bf16": 3e-2}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m hybrid3d.verify", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
+    parser = argparse.ArgumentParser(prog="python -m hybrid3d.verify", description=summary)
     parser.add_argument("--hf-model", required=True, help="the HF model folder (the reference)")
     parser.add_argument("--checkpoint", required=True, help="hybrid3d/DeepSpeed checkpoint folder")
     parser.add_argument("--tag", help="checkpoint tag (default: the one in `latest`)")
@@ -52,10 +53,16 @@ def _verify(args) -> int:
     from hybrid3d.convert.hybrid_source import HybridCheckpoint
     from hybrid3d.model.config import LlamaShape
     from hybrid3d.model.hf_source import read_hf_config
+    from hybrid3d.errors import UserError
     from hybrid3d.parallel.layout import ParallelLayout
+    from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
     from hybrid3d.training.trainer import build_trainer
 
     checkpoint = HybridCheckpoint.open(args.checkpoint, args.tag)
+    if not launched() and checkpoint.tp * checkpoint.pp > 1:
+        raise UserError(launch_hint(checkpoint.tp * checkpoint.pp, f"{args.checkpoint} (tp {checkpoint.tp} x pp "
+                                    f"{checkpoint.pp})", "--module hybrid3d.verify --hf-model ... --checkpoint ..."))
+    use_single_process_world()
     config = read_hf_config(args.hf_model)
     pad = args.vocab_pad_multiple or checkpoint.section.get("vocab_pad_multiple", 128)
     shape = LlamaShape.from_hf(config, vocab_pad_multiple=pad)

@@ -44,6 +44,7 @@ from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.planning.flops import peak_tflops
+from hybrid3d.planning.hints import ZERO_FOOTER, gb, no_fit_hints, parse_gigabytes
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
@@ -173,19 +174,19 @@ def _zero_stages(pp: int, dp: int) -> tuple:
 
 
 def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
-    return (f"{name}: needs >= {least.memory_gb:.1f} GB per GPU ({least.states_gb:.1f} model states + "
-            f"{least.activations_gb:.1f} activations + {cluster.reserve_gb:g} reserve {what}) > "
+    return (f"{name}: needs >= {gb(least.memory_gb)} GB per GPU ({gb(least.states_gb)} model states + "
+            f"{gb(least.activations_gb)} activations + {cluster.reserve_gb:g} reserve {what}) > "
             f"{cluster.gpu_memory_gb:g} GB")
 
 
 def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucket: int = DEFAULT_REDUCE_BUCKET,
          sequence_parallel: bool = False, context_parallel: bool = False,
-         schedules: bool = False) -> tuple[list[Choice], list[str]]:
+         schedules: bool = False, least: Optional[list] = None) -> tuple[list[Choice], list[str]]:
     """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
     per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
     `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
     (`schedule_options`) for p > 1 (the command line does all three; off by default, so a plain call plans
-    the 1F1B 3D layouts it always did)."""
+    the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory."""
     feasible, refused = [], []
     for tp, pp, cp, dp, name, reason in _layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
@@ -203,9 +204,11 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
                 feasible.append(min((c for c in fits if c.schedule == schedule),
                                     key=lambda c: (c.step_seconds, c.checkpointing, c.sp, -c.micro_batch)))
             if not fits:
-                least = min(options, key=lambda c: c.memory_gb)
-                how = f"at micro-batch {least.micro_batch}, checkpointing" + (", SP" if least.sp else "")
-                refused.append(_too_big(f"{name} ZeRO-{zero}", least, cluster, how))
+                smallest = min(options, key=lambda c: c.memory_gb)
+                how = f"at micro-batch {smallest.micro_batch}, checkpointing" + (", SP" if smallest.sp else "")
+                refused.append(_too_big(f"{name} ZeRO-{zero}", smallest, cluster, how))
+                if least is not None and (not least or smallest.memory_gb < least[0].memory_gb):
+                    least[:] = [smallest]
     feasible.sort(key=lambda c: c.step_seconds)
     return feasible, refused
 
@@ -261,7 +264,7 @@ def _refused_lines(refused: list[str]) -> list[str]:
     return ["", "refused:", *(f"  {r}" for r in refused)] if refused else []
 
 
-def format_plan(feasible: list[Choice], refused: list[str], top: int) -> str:
+def format_plan(feasible: list[Choice], refused: list[str], top: int, hints: list[str] = ()) -> str:
     lines = []
     if feasible:
         best = feasible[0].step_seconds
@@ -282,7 +285,8 @@ def format_plan(feasible: list[Choice], refused: list[str], top: int) -> str:
         lines.append(SCHEDULE_FOOTER)
     else:
         lines.append("no layout fits")
-    return "\n".join(lines + _refused_lines(refused))
+        lines += hints
+    return "\n".join(lines + _refused_lines(refused) + ["", ZERO_FOOTER])
 
 
 def format_longest(rows: list[tuple[Choice, int]], refused: list[str], top: int, cap: int) -> str:
@@ -341,10 +345,11 @@ def _positive(kind):
 
 
 def main(argv=None) -> int:
-    parser = _Parser(prog="python -m hybrid3d.plan", description=__doc__.splitlines()[0])
+    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
+    parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
     parser.add_argument("--model", required=True, help="preset name or Hugging Face model directory")
     parser.add_argument("--gpus", type=_positive(int), required=True)
-    parser.add_argument("--gpu-memory", type=_positive(float), required=True, help="GB per GPU")
+    parser.add_argument("--gpu-memory", type=parse_gigabytes, required=True, help="GB per GPU: 80, 80GB or 80GiB")
     parser.add_argument("--seq-length", type=_positive(int), default=None, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch", type=_positive(int), default=512, help="sequences per step")
     parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
@@ -381,11 +386,13 @@ def main(argv=None) -> int:
               f"global batch {args.global_batch} sequences")
         print(format_longest(rows, refused, args.top, cap))
         return 0
+    least = []
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
-                             sequence_parallel=True, context_parallel=True, schedules=True)
+                             sequence_parallel=True, context_parallel=True, schedules=True, least=least)
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences")
-    print(format_plan(feasible, refused, args.top))
+    hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)
+    print(format_plan(feasible, refused, args.top, hints))
     return 0
 
 

@@ -21,7 +21,9 @@ from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
 from hybrid3d.training.model_source import resolve_model
+from hybrid3d.training.output_folder import check_output_folder
 from hybrid3d.model.pipe import check_schedule_stages
 from hybrid3d.model.tp_plan import check_moe_options, check_split
 
@@ -58,9 +60,11 @@ class Job:
     hf_weights: HFSource | None
     override_log: list
     verbose: bool = False
+    start_over: bool = False  # train.overwrite over a previous run's folders
 
 
-def prepare(args, overrides, world_size: int) -> Job:
+def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
+    """`standalone`: a single process started without a launcher (world size 1)."""
     from deepspeed.accelerator import get_accelerator
 
     check_deepspeed_version()
@@ -68,6 +72,11 @@ def prepare(args, overrides, world_size: int) -> Job:
     raw = read_json(args.deepspeed_config)
     override_log = apply_overrides(raw, overrides)
     hybrid = parse_hybrid_section(raw)
+    ranks = hybrid.tensor_parallel_size * hybrid.pipeline_parallel_size * hybrid.context_parallel_size
+    if standalone and ranks > 1:
+        sizes = " x ".join(f"{k} {getattr(hybrid, k)}" for k in ("tensor_parallel_size", "pipeline_parallel_size",
+                                                                  "context_parallel_size") if getattr(hybrid, k) > 1)
+        raise ConfigError(launch_hint(ranks, f"hybrid3d.{sizes}", "launch/train.py --deepspeed_config ..."))
     source = resolve_model(hybrid.model, hybrid.data)
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     on_cpu = get_accelerator().device_name() == "cpu"
@@ -107,6 +116,12 @@ def prepare(args, overrides, world_size: int) -> Job:
                               f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
+    saved_step = int(plan.meta.get("step", 0)) if plan is not None and not plan.module_only else 0
+    if not args.eval_only and saved_step >= train.steps:
+        raise ConfigError(f"hybrid3d.train.steps ({train.steps}) is not above the step of the checkpoint "
+                          f"{plan.load_dir / plan.tag} ({saved_step}): nothing to train (raise train.steps, or "
+                          "use --eval-only to evaluate it)")
+    start_over = not args.eval_only and check_output_folder(output_dir, save_dir, plan, train.overwrite)
     hf_weights = None
     if hybrid.model.init_from_hf and (plan is None):
         hf_weights = HFSource.open(hybrid.model.hf_model)
@@ -115,7 +130,7 @@ def prepare(args, overrides, world_size: int) -> Job:
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
     return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log,
-               verbose=args.verbose)
+               verbose=args.verbose, start_over=start_over)
 
 
 def main(argv=None) -> int:
@@ -124,11 +139,12 @@ def main(argv=None) -> int:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     try:
         args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        job = prepare(args, overrides, world_size)
+        job = prepare(args, overrides, world_size, standalone=not launched())
     except UserError as e:
         if rank == 0:  # every rank found the same error; one line is enough
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
+    use_single_process_world()  # `python launch/train.py`: the variables the launcher would set, for one rank
     from hybrid3d.training.job import run_job  # heavy imports only once the job is known to be valid
 
     try:

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import math
 import os
+import shutil
 import time
 import warnings
 from datetime import timedelta
@@ -17,7 +18,7 @@ from deepspeed.accelerator import get_accelerator
 from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
 from hybrid3d.checkpoint.resume import recorded_schedule
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives, weights_are_finite
-from hybrid3d.checkpoint.universal import convert_to_universal
+from hybrid3d.checkpoint.universal import convert_to_universal, scratch_folder
 from hybrid3d.data import DataCursor, build_training_data, micro_batches
 from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
 from hybrid3d.ds_internals import pipeline_stage_layers
@@ -26,6 +27,7 @@ from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
 from hybrid3d.parallel.placement import gather_placement, placement_lines
 from hybrid3d.parallel.threads import local_ranks, set_cpu_threads
+from hybrid3d.training.output_folder import clear_previous_run
 from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
 from hybrid3d.training.metrics import MetricsLogger, info
 from hybrid3d.training.trainer import build_trainer
@@ -101,14 +103,15 @@ def evaluate(trainer, data, job, dp_rank) -> float:
     return float(np.mean(losses))
 
 
-def load_checkpoint(trainer, plan) -> dict:
-    """Load per the plan; return the hybrid3d client state ({} for a weights-only checkpoint)."""
-    tag = plan.universal_tag if plan.universal else plan.tag
-    client_state = trainer.load(str(plan.load_dir), tag=tag, module_only=plan.module_only)
+def load_checkpoint(trainer, plan, universal_dir: Path | None) -> dict:
+    """Load per the plan (a reshard from `universal_dir`); return the hybrid3d client state ({} for a
+    weights-only checkpoint)."""
+    folder = universal_dir if plan.universal else plan.load_dir / plan.tag
+    client_state = trainer.load(str(folder.parent), tag=folder.name, module_only=plan.module_only)
     if plan.module_only:
         return {}
     if not client_state:
-        raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {plan.load_dir / tag}")
+        raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {folder}")
     return client_state.get("hybrid3d", {})
 
 
@@ -154,10 +157,12 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     info(f"data: {data.summary}" + (" (documents masked from each other)" if hybrid.data.document_mask else ""),
          is_rank0)
     config = dataclasses.replace(job.config, ds_config=json.loads(json.dumps(job.config.ds_config)))
+    universal_dir = None
     if job.plan is not None and job.plan.universal:
         info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
              "through DeepSpeed's universal checkpoint", is_rank0)
-        rank0_first(lambda: convert_to_universal(job.plan), rank)
+        scratch = scratch_folder(job.plan) if eval_only else None  # an evaluation writes nothing into the checkpoint
+        universal_dir = rank0_first(lambda: convert_to_universal(job.plan, scratch), rank)
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     if job.plan is not None and not job.plan.module_only:
@@ -167,7 +172,7 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
     config = trainer.config
     step, client = 0, {}
     if job.plan is not None:
-        client = load_checkpoint(trainer, job.plan)
+        client = load_checkpoint(trainer, job.plan, universal_dir)
         step = int(client.get("step", 0))
         if "rng" in client and not job.plan.universal:
             restore_rng(client["rng"])
@@ -191,10 +196,16 @@ def _run_job(job, eval_only: bool, rank: int) -> int:
         eval_loss = evaluate(trainer, data, job, dp_rank)
         info(f"eval_loss {eval_loss:.6f} perplexity {math.exp(min(eval_loss, 50)):.3f} "
              f"({hybrid.train.eval_steps} batches, checkpoint step {step})", is_rank0)
+        if universal_dir is not None:
+            dist.barrier()  # every rank has loaded it
+            if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+                shutil.rmtree(universal_dir.parent, ignore_errors=True)
         return 0
 
     output_dir, save_dir = job.output_dir, job.save_dir
     if is_rank0:
+        if job.start_over:
+            info(f"train.overwrite: removed the previous run's {clear_previous_run(output_dir, save_dir)}", is_rank0)
         output_dir.mkdir(parents=True, exist_ok=True)
         (output_dir / "config.json").write_text(json.dumps(job.raw, indent=1))
         (output_dir / "placement.json").write_text(json.dumps(places, indent=1))
@@ -274,14 +285,17 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             watchdog.beat(f"the evaluation at step {step}")
             eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
+        # after a signal the console carries only the stop line: the launcher may have returned already
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
-                      extra=extra)
+                      extra=extra, echo=stop.signal_name is None)
         if saves.due(step):
             save(step)
         if stop.agreed():
             who = stop.who()
             path = save(step)
-            info(f"stopped by {who} after step {step}; checkpoint {path}", is_rank0)
+            # the last line of the job: nothing is printed after it (run_job's teardown is silent)
+            info(f"stopped by {who} after step {step}; checkpoint {path} committed (resume with --checkpoint.load "
+                 f"{'latest' if path.parent == job.save_dir else path.parent})", is_rank0)
             return 0
     path = save(step)
     if last_eval is not None and is_rank0:

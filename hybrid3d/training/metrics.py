@@ -46,8 +46,10 @@ class MetricsLogger:
         self.step_times = []
 
     def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float], step_time: float,
-               eval_loss: Optional[float] = None, log: bool = True, extra: Optional[dict] = None) -> dict:
-        """`extra`: further fields of the record (a MoE model's `aux_loss`, `expert_load`, `expert_load_max`)."""
+               eval_loss: Optional[float] = None, log: bool = True, extra: Optional[dict] = None,
+               echo: bool = True) -> dict:
+        """`extra`: further fields of the record (a MoE model's `aux_loss`, `expert_load`, `expert_load_max`);
+        `echo`: print the logged record's console line too."""
         self.step_times.append(step_time)
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
@@ -69,7 +71,8 @@ class MetricsLogger:
             record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
         if self.enabled and log:
             self._write(record)
-            print(self._line(record), flush=True)
+            if echo:
+                print(self._line(record), flush=True)
         return record
 
     def _write(self, record: dict) -> None:

@@ -33,7 +33,11 @@ class StopRequest:
         return bool(self._all_reduce_max(1 if self.signal_name else 0))
 
     def who(self) -> str:
-        """'SIGTERM (rank 1)': which signals reached which ranks (a collective)."""
+        """'SIGTERM (rank 1)': which signals reached which ranks (a collective). A SIGINT is a Ctrl-C in the
+        terminal (it reaches every process of the job, and DeepSpeed's launcher turns its own into SIGTERMs to
+        the ranks): 'Ctrl-C (SIGINT)'."""
         names = [None] * dist.get_world_size()
         dist.all_gather_object(names, self.signal_name)
+        if "SIGINT" in names:
+            return "Ctrl-C (SIGINT)"
         return ", ".join(f"{name} (rank {rank})" for rank, name in enumerate(names) if name)

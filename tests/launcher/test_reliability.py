@@ -18,6 +18,8 @@ import psutil
 import pytest
 import torch
 
+from hybrid3d.checkpoint.resume import ResumePlan
+from hybrid3d.checkpoint.universal import scratch_folder
 from hybrid3d.training.entry import main
 from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
 
@@ -225,16 +227,19 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
 
 def test_kill_9_during_the_universal_conversion_is_redone(uninterrupted, tmp_path):
     """Rank 0 killed -9 after DeepSpeed's converter ran but before the result was marked complete: the next
-    resume at the other layout converts again and evaluates to the uninterrupted run's last eval loss."""
+    evaluation at the other layout converts again and evaluates to the uninterrupted run's last eval loss."""
     checkpoints = copy_checkpoint(uninterrupted, tmp_path)
     args = ("--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2",
             "--checkpoint.load", str(checkpoints), "--eval-only")
     killed_in({"kind": "pause_in_universal"}, uninterrupted["config"], tmp_path, *args)
-    assert (checkpoints / "global_step8_universal.incomplete").is_dir()
-    assert not (checkpoints / "global_step8_universal").exists()
+    # an evaluation converts into a scratch folder of its own, never into the checkpoint folder
+    scratch = scratch_folder(ResumePlan(checkpoints, "global_step8", {}, module_only=False, universal=True))
+    assert list(scratch.glob("global_step8_universal.incomplete-*"))
+    assert not (scratch / "global_step8_universal").exists()
     result = launch(4, uninterrupted["config"], *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)
-    assert (checkpoints / "global_step8_universal" / "hybrid3d_universal.json").is_file()
-    assert not (checkpoints / "global_step8_universal.incomplete").exists()
+    assert not scratch.exists()  # removed after the evaluation
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["global_step4", "global_step8", "hf", "latest",
+                                                              "zero_to_fp32.py", "zero_to_torch.py"]

@@ -26,3 +26,16 @@ def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
     assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
     assert not (tmp_path / "out").exists()
+
+
+def test_launcher_flag_after_the_script_is_refused(tmp_path):
+    """`deepspeed launch/train.py ... --num_gpus 2`: the runner hands the flag to the script (and would run on
+    every local device); the script refuses it with a hint, before anything is written."""
+    config = write_config(tmp_path)
+    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", "--num_gpus", "2",
+                    timeout=300)
+    assert result.returncode == 2
+    errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
+    assert errors == ["error: --num_gpus is a flag of the deepspeed launcher, which passes it on to the script when "
+                      "it comes after it: put it before the script (deepspeed --num_gpus 2 launch/train.py ...)"]
+    assert not (tmp_path / "out").exists()

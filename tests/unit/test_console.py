@@ -36,3 +36,17 @@ def test_logger_level():
         deepspeed_logger.setLevel(before[0])
         for handler, level in zip(deepspeed_logger.handlers, before[1]):
             handler.setLevel(level)
+
+
+def test_deepspeed_import_log_is_held_back_in_a_rank_unless_verbose():
+    """launch/train.py attaches the filter before DeepSpeed's import, which logs once per rank on a machine without
+    a GPU ("Setting accelerator to CPU ..."); with --verbose the line stays."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from hybrid3d.training.quiet_start import hold_back_deepspeed_log; "
+            "hold_back_deepspeed_log(sys.argv[1:]); import deepspeed; from deepspeed.utils import logger; "
+            "logger.warning('a warning'); logger.error('an error')")
+    quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert quiet.returncode == 0, quiet.stderr
+    assert "WARNING" not in quiet.stdout + quiet.stderr and "an error" in quiet.stdout + quiet.stderr

@@ -166,3 +166,23 @@ def test_longest_sequence_bad_flags_exit_2(capsys, argv):
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and "\n" not in err
+
+
+def test_gpu_memory_accepts_units_and_says_what_it_wants():
+    import argparse
+
+    from hybrid3d.planning.hints import gb, parse_gigabytes
+
+    assert parse_gigabytes("80") == parse_gigabytes("80GB") == parse_gigabytes("80 gb") == parse_gigabytes("80G") == 80
+    assert parse_gigabytes("80GiB") == pytest.approx(85.899, abs=1e-3)
+    with pytest.raises(argparse.ArgumentTypeError, match=r"a positive number of GB \(80, 80GB or 80GiB\), got '80XB'"):
+        parse_gigabytes("80XB")
+    assert (gb(1.034), gb(13.66), gb(112.0)) == ("1.03", "13.7", "112.0")  # never "1.0 GB > 1 GB"
+
+
+def test_no_layout_fits_says_what_would(capsys):
+    assert main(["--model", "llama3.2-1b", "--gpus", "1", "--gpu-memory", "24GB"]) == 0
+    out = capsys.readouterr().out
+    assert "no layout fits" in out and "the least memory any option needs" in out
+    assert "try --gpus 2" in out and "offload_optimizer" in out and "micro-batch 1 are already" in out
+    assert "ZeRO-0 rows accumulate gradients in bf16" in out  # why a ZeRO-1 row can need more than ZeRO-0

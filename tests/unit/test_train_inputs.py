@@ -87,6 +87,26 @@ BAD_INPUTS = [
      "datastates_ckpt.enabled (asynchronous DataStates checkpoints) is not supported"),
     ("cpu-checkpointing", lambda c: c.update(activation_checkpointing={"cpu_checkpointing": True}), None, [], 4,
      "activation_checkpointing.cpu_checkpointing needs activation_checkpointing.partition_activations"),
+    # DeepSpeed keys checked against those DeepSpeed 0.19.8 reads (DeepSpeed itself ignores unknown ones).
+    ("ds-top-level-typo", lambda c: c.update(gradient_accumulation_step=2), None, [], 4,
+     "gradient_accumulation_step is neither a DeepSpeed 0.19.8 key nor a hybrid3d key; did you mean "
+     "gradient_accumulation_steps?"),
+    ("ds-nested-typo", lambda c: c["zero_optimization"].update(stag=2), None, [], 4,
+     "zero_optimization.stag is not a key DeepSpeed 0.19.8 reads; did you mean stage?"),
+    ("ds-offload-typo", lambda c: c["zero_optimization"].update(offload_optimizer={"devic": "cpu"}), None, [], 4,
+     "zero_optimization.offload_optimizer.devic is not a key DeepSpeed 0.19.8 reads; did you mean device?"),
+    ("hybrid-key-at-top-level", lambda c: c.update(pipeline_parallel_size=2), None, [], 4,
+     'pipeline_parallel_size is a hybrid3d key: put it in the "hybrid3d" section'),
+    ("override-section-typo", None, None, ["--trian.steps", "5"], 4,
+     "override --trian.steps: trian is neither a DeepSpeed 0.19.8 key nor a hybrid3d key; did you mean train?"),
+    ("override-ds-typo", None, None, ["--zero_optimisation.stage", "2"], 4,
+     "override --zero_optimisation.stage: zero_optimisation is neither a DeepSpeed 0.19.8 key nor a hybrid3d key; "
+     "did you mean zero_optimization?"),
+    ("launcher-flag-after-script", None, None, ["--num_gpus", "2"], 4,
+     "--num_gpus is a flag of the deepspeed launcher, which passes it on to the script when it comes after it: put "
+     "it before the script (deepspeed --num_gpus 2 launch/train.py ...)"),
+    ("launcher-switch-after-script", None, None, ["--train.steps", "3", "--no_ssh"], 4,
+     "--no_ssh is a flag of the deepspeed launcher"),
     # Sequence and context parallelism: the combinations that cannot work.
     ("sp-without-tp", lambda c: h(c).update(tensor_parallel_size=1, sequence_parallel=True), None, [], 2,
      "hybrid3d.sequence_parallel needs hybrid3d.tensor_parallel_size > 1"),
