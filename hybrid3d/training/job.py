@@ -250,10 +250,15 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
         return saves.save(at_step)
 
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
-    baseline = unigram_entropy(data.train.tokens) if is_rank0 else None
+    # fine-tuning data: the tokens the loss counts (answers), not the prompts and padding around them
+    learned = data.train.learn
+    baseline_tokens = (data.train.tokens if learned is None
+                       else np.asarray(data.train.tokens[:MAX_TOKENS])[np.asarray(learned[:MAX_TOKENS]) == 1])
+    baseline = unigram_entropy(baseline_tokens) if is_rank0 else None
     if is_rank0:
         counted = "" if len(data.train.tokens) <= MAX_TOKENS else f" (the first {MAX_TOKENS:,})"
-        info(f"unigram entropy of the training tokens{counted}: {baseline:.3f} nats (the loss of a model that "
+        what = "training tokens" if learned is None else "learned target tokens"
+        info(f"unigram entropy of the {what}{counted}: {baseline:.3f} nats (the loss of a model that "
              "knows only token frequencies)", is_rank0)
     last_eval = None
     while step < hybrid.train.steps:
@@ -299,7 +304,8 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
             return 0
     path = save(step)
     if last_eval is not None and is_rank0:
-        info(f"last eval loss {last_eval:.4f}: {baseline - last_eval:.3f} nats below the unigram entropy "
+        side = "below" if last_eval <= baseline else "above"
+        info(f"last eval loss {last_eval:.4f}: {abs(baseline - last_eval):.3f} nats {side} the unigram entropy "
              f"{baseline:.3f}", is_rank0)
     info(f"done: {step} steps; checkpoint {path}; metrics {job.output_dir / 'metrics.jsonl'}", is_rank0)
     return 0
