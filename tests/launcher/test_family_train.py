@@ -17,6 +17,7 @@ def test_qwen2_trains_from_hf_and_reshards_through_the_universal_checkpoint(tmp_
 
     from hybrid3d.config.sections import DataSection
     from hybrid3d.data import build_training_data, micro_batches
+    from hybrid3d.data.pipeline import TokenizerSource
     from hybrid3d.data.builtin import builtin_tokenizer_path
     from tests.tiny_families import make_hf_family
 
@@ -39,8 +40,10 @@ def test_qwen2_trains_from_hf_and_reshards_through_the_universal_checkpoint(tmp_
     # the job's tokenizer: AutoTokenizer reads the folder's config.json and picks Qwen2Tokenizer, whose
     # pre-tokenizer splits digits apart, so the same files tokenize differently from the built-in tokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = build_training_data(DataSection(path=str(docs), seq_length=64, eval_fraction=0.05), tokenizer, "t", tokenizer.eos_token_id)
-    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))
+    tokenizers = TokenizerSource(load=lambda: tokenizer, identity="qwen2", config_eos_id=None)
+    data = build_training_data(DataSection(path=str(docs), seq_length=64, eval_fraction=0.05), tokenizers,
+                               len(tokenizer))
+    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))[:2]
     hf = AutoModelForCausalLM.from_pretrained(model_dir).eval()
     assert type(hf).__name__ == "Qwen2ForCausalLM"
     with torch.no_grad():
