@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, GemmaConfig, GemmaForCausalLM
 
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 from tests.distributed.engine_runs import global_batch
+from tests.distributed.test_convert import read_safetensors_folder
 from tests.tiny_families import FAMILIES, HF_CLASSES, make_hf_family
 from tests.tiny_llama import BASE, load_hf
 
@@ -28,13 +28,6 @@ def sources(tmp_path_factory) -> dict:
     for family, directory in dirs.items():
         make_hf_family(directory, family)
     return dirs
-
-
-def read_safetensors_folder(directory: Path) -> dict:
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
 
 
 # (family, tp, pp, dtype): k/v heads (and Qwen2's k/v biases) split at tp2, replicated at tp4 (qwen2: 2 kv heads,
