@@ -77,8 +77,13 @@ def micro_batches(samples: PackedSamples, first_sample: int, global_batch: int, 
     share = global_batch // dp
     first = first_sample + dp_rank * share
     ids = torch.from_numpy(np.stack([samples.sample(first + j)[:-1] for j in range(share)]).astype(np.int64))
-    targets = torch.from_numpy(np.stack([samples.targets(first + j, document_mask) for j in range(share)]))
-    counted = _counted_targets(samples, first_sample, global_batch, document_mask)
+    if samples.learn is None and not document_mask:  # every target counts: no need to read the other shares
+        targets = np.stack([samples.targets(first + j, document_mask) for j in range(share)])
+        counted = global_batch * samples.seq_length
+    else:  # the loss's denominator counts the whole global batch (every DP rank's share); this rank's rows of it
+        every = np.stack([samples.targets(first_sample + j, document_mask) for j in range(global_batch)])
+        targets, counted = every[dp_rank * share:(dp_rank + 1) * share], int((every != IGNORE_INDEX).sum())
+    targets = torch.from_numpy(np.ascontiguousarray(targets))
     if counted == 0:
         raise ConfigError(f"hybrid3d.data: samples {first_sample}-{first_sample + global_batch - 1} (one global batch) "
                           "have no target to learn: every label is masked")
@@ -89,14 +94,6 @@ def micro_batches(samples: PackedSamples, first_sample: int, global_batch: int, 
         rows = slice(start, start + micro_batch)
         yield MicroBatch(ids[rows].contiguous(), targets[rows].contiguous(),
                          None if positions is None else positions[rows].contiguous(), weight)
-
-
-def _counted_targets(samples: PackedSamples, first_sample: int, global_batch: int, document_mask: bool) -> int:
-    """Targets the loss counts in the whole global batch (every DP rank's share): the loss's denominator."""
-    if samples.learn is None and not document_mask:
-        return global_batch * samples.seq_length
-    return int(sum((samples.targets(first_sample + j, document_mask) != IGNORE_INDEX).sum()
-                   for j in range(global_batch)))
 
 
 class DataCursor:
