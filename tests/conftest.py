@@ -9,6 +9,14 @@ import pytest
 SLOW_FOLDERS = ("distributed", "launcher", "gpu")
 
 
+def pytest_sessionfinish(session, exitstatus):
+    import sys
+
+    pool = sys.modules.get("tests.distributed")  # imported only when a test used the spawned worlds
+    if pool is not None:
+        pool.SESSION_POOL.close()
+
+
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
     for item in items:

@@ -1,19 +1,30 @@
-"""Run a function on N ranks spawned on this machine (tests and benchmarks).
+"""Run functions on N ranks spawned on this machine (tests and benchmarks).
 
 Each rank gets the environment DeepSpeed's launcher would set, initialises `deepspeed.comm`
 (gloo on the CPU, NCCL with DS_ACCELERATOR=cuda), runs `fn(rank, world_size, *args)` and saves
-its return value, which `run_world` hands back. The world's shared-memory segments are removed
-when it ends.
+its return value, which the caller gets back.
+
+Starting a world costs seconds on 2 cores (imports and the process group dominate), so a
+`WorldPool` keeps one world per size alive and runs call after call in it, the way Megatron's unit
+tests run the whole suite under one torchrun. Each call builds its own groups and engines; a call
+that fails retires its world (its ranks may be out of step) and the next call of that size starts a
+fresh one. `run_world` is one call in a world of its own. A world's shared-memory segments are
+removed when it ends.
 """
 
 import os
+import queue
 import socket
+import time
+import traceback
 
 import torch
 import torch.multiprocessing as mp
 
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.parallel.threads import threads_per_rank, usable_cores
+
+CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its world is retired
 
 
 def free_port() -> int:
@@ -22,36 +33,119 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _rank_entry(rank, fn, world_size, port, result_dir, args):
+def _init_rank(rank: int, world_size: int, port: int) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(threads_per_rank(world_size, usable_cores()))
     import deepspeed
-    import deepspeed.comm as dist
-
     from deepspeed.accelerator import get_accelerator
 
     backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
     if backend == "nccl":
         get_accelerator().set_device(rank)  # one GPU per rank, before any communicator exists
     deepspeed.init_distributed(dist_backend=backend, verbose=False)
-    result = fn(rank, world_size, *args)
-    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+
+
+def _serve(rank, world_size, port, inbox, outbox):
+    """A rank of a pooled world: run each (fn, args, result path) from `inbox` until None arrives."""
+    import deepspeed.comm as dist
+
+    _init_rank(rank, world_size, port)
+    while (call := inbox.get()) is not None:
+        fn, args, path = call
+        try:
+            result = fn(rank, world_size, *args)
+            torch.save(result, path)
+            dist.barrier()  # the next call starts on every rank together
+            outbox.put((rank, None))
+        except BaseException:  # noqa: BLE001 - reported to the caller, which retires this world
+            outbox.put((rank, traceback.format_exc()))
     dist.barrier()
     dist.destroy_process_group()
 
 
-def run_world(fn, world_size: int, result_dir: str, *args) -> list:
-    """Run `fn(rank, world_size, *args)` on `world_size` spawned ranks; return each rank's result.
+class _World:
+    def __init__(self, world_size: int):
+        context = mp.get_context("spawn")
+        self.size, self.port = world_size, free_port()
+        self.inboxes = [context.SimpleQueue() for _ in range(world_size)]
+        self.outbox = context.Queue()
+        self.ranks = [context.Process(target=_serve, args=(r, world_size, self.port, self.inboxes[r], self.outbox),
+                                      daemon=True) for r in range(world_size)]
+        for process in self.ranks:
+            process.start()
 
-    `fn` must be importable by name (spawned processes re-import it)."""
-    os.makedirs(result_dir, exist_ok=True)
-    port = free_port()
-    try:
-        mp.start_processes(_rank_entry, args=(fn, world_size, port, result_dir, args), nprocs=world_size,
-                           start_method="spawn", join=True)
-    finally:
-        remove_shm_buffers("127.0.0.1", port)
-    # The results are this run's own objects (dicts of tensors and plain data).
-    return [torch.load(os.path.join(result_dir, f"rank{r}.pt"), weights_only=False) for r in range(world_size)]
+    def call(self, fn, args, paths, timeout: float) -> str | None:
+        """Run one call on every rank; None when all succeeded, else the first failure's report."""
+        for inbox, path in zip(self.inboxes, paths):
+            inbox.put((fn, args, path))
+        deadline, finished, failure = time.monotonic() + timeout, 0, None
+        while finished < self.size:
+            try:
+                rank, error = self.outbox.get(timeout=1.0)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.ranks) if p.exitcode is not None]
+                if dead:
+                    return failure or f"rank {dead[0]} of the world of {self.size} exited ({self.ranks[dead[0]].exitcode})"
+                if time.monotonic() > deadline:
+                    return failure or f"the call did not finish within {timeout:.0f} s on every rank"
+                continue
+            finished += 1
+            if error is not None and failure is None:
+                failure = f"rank {rank}:\n{error}"
+                deadline = min(deadline, time.monotonic() + 30)  # the others may wait on it in a collective
+        return failure
+
+    def close(self, graceful: bool) -> None:
+        if graceful:
+            for inbox in self.inboxes:
+                inbox.put(None)
+            for process in self.ranks:
+                process.join(timeout=60)
+        for process in self.ranks:
+            if process.is_alive():
+                process.kill()
+                process.join()
+        remove_shm_buffers("127.0.0.1", self.port)
+
+
+class WorldPool:
+    """One spawned world per size, kept for many calls (see the module docstring)."""
+
+    def __init__(self):
+        self._worlds: dict[int, _World] = {}
+
+    def run(self, fn, world_size: int, result_dir: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
+        """Run `fn(rank, world_size, *args)` on every rank of the world of `world_size`; return each rank's result.
+
+        `fn` must be importable by name (spawned processes re-import it); results go through `result_dir`."""
+        os.makedirs(result_dir, exist_ok=True)
+        paths = [os.path.join(result_dir, f"rank{r}.pt") for r in range(world_size)]
+        world = self._worlds.get(world_size)
+        if world is None:
+            world = self._worlds[world_size] = _World(world_size)
+        failure = world.call(fn, args, paths, timeout)
+        if failure is not None:
+            del self._worlds[world_size]
+            world.close(graceful=False)
+            raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} failed in a world of {world_size}: {failure}")
+        # The results are this run's own objects (dicts of tensors and plain data).
+        return [torch.load(path, weights_only=False) for path in paths]
+
+    def close(self) -> None:
+        for world in self._worlds.values():
+            world.close(graceful=True)
+        self._worlds.clear()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def run_world(fn, world_size: int, result_dir: str, *args) -> list:
+    """Run `fn(rank, world_size, *args)` once on `world_size` freshly spawned ranks; return each rank's result."""
+    with WorldPool() as pool:
+        return pool.run(fn, world_size, result_dir, *args)

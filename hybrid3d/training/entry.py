@@ -134,6 +134,17 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
 
 
 def main(argv=None) -> int:
+    """A launched rank (or a plain `python launch/train.py`): the job in a world of its own."""
+    return _main(argv, in_existing_world=False)
+
+
+def main_in_world(argv) -> int:
+    """The job in a world the caller started (`deepspeed.comm` initialised over RANK/WORLD_SIZE), left running
+    afterwards: many jobs in one world, as the tests' pooled worlds run them."""
+    return _main(argv, in_existing_world=True)
+
+
+def _main(argv, in_existing_world: bool) -> int:
     args, overrides = None, None
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
@@ -144,11 +155,12 @@ def main(argv=None) -> int:
         if rank == 0:  # every rank found the same error; one line is enough
             print(f"error: {e}", file=sys.stderr, flush=True)
         return e.exit_code
-    use_single_process_world()  # `python launch/train.py`: the variables the launcher would set, for one rank
-    from hybrid3d.training.job import run_job  # heavy imports only once the job is known to be valid
+    if not in_existing_world:
+        use_single_process_world()  # `python launch/train.py`: the variables the launcher would set, for one rank
+    from hybrid3d.training.job import run_in_world, run_job  # heavy imports only once the job is known to be valid
 
     try:
-        return run_job(job, eval_only=args.eval_only, rank=rank)
+        return (run_in_world if in_existing_world else run_job)(job, eval_only=args.eval_only, rank=rank)
     except ReportedError as e:  # rank 0 prints this one
         return e.exit_code
     except UserError as e:  # found after start-up (e.g. in a checkpoint): may be on some ranks only

@@ -116,15 +116,21 @@ def load_checkpoint(trainer, plan, universal_dir: Path | None) -> dict:
 
 
 def run_job(job, eval_only: bool, rank: int) -> int:
-    """Run the job; on every exit path tear the world down in one order: the step loop's helper
-    thread (joined inside `_run_job`), a barrier on success only (an error may be on some ranks
-    only, so waiting for the others could hang), the process groups, the shared-memory buffers.
+    """The job in a process of its own (a launched rank): start the world, run the job in it, tear it down.
 
-    A rank leaving with its process group alive aborts in C++ ("terminate called without an active
-    exception") when the interpreter destroys the communicator's threads at exit."""
+    On every exit path the world goes down in one order: the step loop's helper thread (joined inside
+    `run_in_world`), a barrier on success only (an error may be on some ranks only, so waiting for the
+    others could hang), the process groups, the shared-memory buffers. A rank leaving with its process
+    group alive aborts in C++ ("terminate called without an active exception") when the interpreter
+    destroys the communicator's threads at exit."""
+    set_deepspeed_verbosity(job.verbose)
+    # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
+    # timeout is a backstop behind it, so the clearer message wins.
+    with deepspeed_prints(job.verbose):
+        deepspeed.init_distributed(timeout=timedelta(seconds=2 * job.hybrid.timeout_seconds))
     succeeded = False
     try:
-        code = _run_job(job, eval_only, rank)
+        code = run_in_world(job, eval_only, rank)
         succeeded = True
         return code
     finally:
@@ -137,14 +143,13 @@ def run_job(job, eval_only: bool, rank: int) -> int:
                                os.environ.get("LOCAL_RANK", rank))
 
 
-def _run_job(job, eval_only: bool, rank: int) -> int:
+def run_in_world(job, eval_only: bool, rank: int) -> int:
+    """The job in a world that already exists (`deepspeed.comm` initialised over the job's ranks), which it
+    leaves running: `run_job` for a launched rank, or a caller that runs many jobs in one world (the tests'
+    pooled worlds)."""
     hybrid, layout = job.hybrid, job.layout
     set_deepspeed_verbosity(job.verbose)
     threads = set_cpu_threads(local_ranks()) if get_accelerator().device_name() == "cpu" else None
-    # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
-    # timeout is a backstop behind it, so the clearer message wins.
-    with deepspeed_prints(job.verbose):
-        deepspeed.init_distributed(timeout=timedelta(seconds=2 * hybrid.timeout_seconds))
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)

@@ -4,6 +4,7 @@ replicated with their kv heads at TP4, Qwen3's q/k norms under sequence parallel
 context parallelism. One spawned world per world size (2 and 4 ranks) runs all of that size's runs; the world of 4
 also runs `hybrid3d.verify` on converted checkpoints of each family and on one with a corrupted Qwen3 q_norm."""
 
+import functools
 import shutil
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 
 from tests.distributed import run_worlds_by_size
-from tests.distributed.engine_runs import global_batch, hf_reference_run
+from tests.distributed.engine_runs import OPTIM, STEPS, WARMUP, global_batch, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.tiny_families import FAMILIES, HF_CLASSES, make_family_models
 from tests.tiny_llama import load_hf, max_rel_error
@@ -21,12 +22,45 @@ from tests.tiny_llama import load_hf, max_rel_error
 TOL = 1e-5  # the issue's bound on losses and weights after 5 fp32 steps, relative to each tensor's scale
 
 
-def tolerances(ref32, ref64) -> dict:
-    """Per tensor: TOL, or twice HF's own fp32 error (against the same run in fp64) where that is larger. Measured:
-    only Qwen2's k_proj.bias needs it (HF fp32 itself is 1e-5 to 9e-5 off fp64 there): a bias added to every key
-    of a head shifts all of a query's scores alike except for RoPE's rotation, so softmax cancels most of its
-    gradient and the fp32 residual carries a large relative rounding error, which Adam's normalisation keeps."""
-    return {n: max(TOL, 2 * max_rel_error(ref32["weights"][n], w)) for n, w in ref64["weights"].items()}
+# Qwen2's k_proj.bias is judged by another rule. A k bias adds q_i . R_(j-i) b to query i's score of key j
+# (R: RoPE's rotation); softmax ignores what is the same for all j, so only the rotated part has a gradient, and in
+# the head's lowest RoPE frequencies (1e-2, 1e-3 rad per position over 16 positions) that is 1e-2 to 1e-3 of the
+# other components' (measured, fp64: ~1e-8 against ~1e-4). fp32 gets those small components to ~1e-3 relative, and
+# Adam, which normalises each element's step to about lr, carries that into the weight: HF's own fp32 run is
+# 2.5e-6 to 8.7e-6 (absolute) off its fp64 run there, hybrid3d's fp32 up to 1.4e-5 off HF's fp32, and both move with
+# the CPU's kernels (AVX-512 vs AVX2 order sums differently), so no multiple of TOL, or of HF's own error, is a bound.
+# What a broken gradient does is: Adam moves each element by up to lr per step in the direction of its gradient's
+# sign, lr summing to adam_path() = 5e-2 over the 5 steps, so a gradient that is wrong (zeroed, sign-flipped, missing
+# a query head's share, or given a real component) puts the bias ~adam_path() away. Simulated in the HF run: zeroed
+# 4.4e-2, one kv head's sign flipped 8.5e-2, one kv head's share halved or the whole gradient scaled by 2 or 0.5
+# 4e-3 to 5e-3 (eps = 1e-8 is not small beside the ~1e-8 components), noise of 1e-7 added 3.5e-2. The bound,
+# 1% of adam_path() = 5e-4 absolute, is 35x the largest rounding distance measured and 8x below the smallest bug.
+NOISE_DRIVEN = "self_attn.k_proj.bias"
+ADAM_PATH_FRACTION = 1e-2
+
+
+@functools.cache
+def adam_path() -> float:
+    """The sum of the learning rates the reference's STEPS optimizer steps use (WarmupLR from 0: 0, 0, 1e-2, 2e-2,
+    2e-2 = 5e-2): how far Adam, whose step is at most about lr per element, can move an element in the run."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=OPTIM["lr"])
+    scheduler = WarmupLR(optimizer, **WARMUP)
+    path = 0.0
+    for _ in range(STEPS):
+        path += optimizer.param_groups[0]["lr"]
+        scheduler.step()
+    return path
+
+
+def scaled_weight_error(name: str, actual, expected) -> float:
+    """`actual`'s error against `expected`, scaled so that TOL is the bound: for every tensor, max_rel_error; for a
+    NOISE_DRIVEN one, its largest absolute distance over ADAM_PATH_FRACTION * adam_path(), times TOL."""
+    if name.endswith(NOISE_DRIVEN):
+        distance = (actual.double() - expected.double()).abs().max().item()
+        return distance / (ADAM_PATH_FRACTION * adam_path()) * TOL
+    return max_rel_error(actual, expected)
 
 
 def family_runs():
@@ -82,15 +116,15 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("families")
     dirs = make_family_models(root)
     refs = {family: hf_reference_run(d) for family, d in dirs.items()}
-    for family, d in dirs.items():
-        refs[family]["tolerances"] = tolerances(refs[family], hf_reference_run(d, dtype=torch.float64))
+    for family, d in dirs.items():  # HF's own fp32 error against fp64, by scaled_weight_error: this CPU's rounding
+        ref64 = hf_reference_run(d, dtype=torch.float64)["weights"]
+        refs[family]["noise"] = {n: scaled_weight_error(n, refs[family]["weights"][n], w) for n, w in ref64.items()}
     argvs = verify_checkpoints(root, dirs)
     return {"dirs": dirs, "ref": refs, "runs": run_worlds_by_size(family_world, RUNS, root, dirs, argvs)}
 
 
 def errors(ref, reports) -> tuple[float, float]:
-    """(largest loss error over ranks, largest weight error over tensors divided by the tensor's tolerance
-    times TOL), each relative to the reference's scale."""
+    """(largest loss error over ranks relative to the reference's scale, largest scaled_weight_error over tensors)."""
     loss_error = max(max_rel_error(torch.tensor(r["losses"]), torch.tensor(ref["losses"])) for r in reports)
     merged = {}
     for report in reports:
@@ -98,11 +132,13 @@ def errors(ref, reports) -> tuple[float, float]:
             assert name not in merged or torch.equal(merged[name], tensor), f"{name} differs between ranks holding it"
             merged[name] = tensor
     assert set(merged) == set(ref["weights"])
-    widened = {n: t for n, t in ref["tolerances"].items() if t > TOL}
-    worst = max(ref["weights"], key=lambda n: max_rel_error(merged[n], ref["weights"][n]) / ref["tolerances"][n])
-    print(f"widened tolerances: {widened}; worst tensor {worst}: "
-          f"{max_rel_error(merged[worst], ref['weights'][worst]):.2e} (tolerance {ref['tolerances'][worst]:.1e})")
-    return loss_error, max(max_rel_error(merged[n], w) * TOL / ref["tolerances"][n] for n, w in ref["weights"].items())
+    scaled = {n: scaled_weight_error(n, merged[n], w) for n, w in ref["weights"].items()}
+    worst = max(scaled, key=scaled.get)
+    noisiest = max(ref["noise"], key=ref["noise"].get)
+    k_biases = [e for n, e in scaled.items() if n.endswith(NOISE_DRIVEN)]
+    print(f"worst tensor {worst}: {scaled[worst]:.2e}; HF fp32's own worst (against fp64) {noisiest}: "
+          f"{ref['noise'][noisiest]:.2e}; worst {NOISE_DRIVEN}: {max(k_biases, default=0):.2e} (all scaled to TOL)")
+    return loss_error, scaled[worst]
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r["name"])
@@ -111,6 +147,10 @@ def test_family_matches_hf_over_five_steps(results, run):
     loss_error, weight_error = errors(ref, results["runs"][run["name"]])
     print(f"{run['name']}: max loss error {loss_error:.2e}, max weight error (scaled to TOL) {weight_error:.2e}")
     assert loss_error <= TOL and weight_error <= TOL, (loss_error, weight_error)
+    # the k biases' bound stands well above this CPU's rounding: HF's own fp32 run meets it against its fp64 run
+    # with at least 10x to spare (measured, scaled to TOL: 1.7e-7 with AVX-512 kernels, 1.4e-7 with AVX2, ~60x)
+    noise = {n: e for n, e in ref["noise"].items() if n.endswith(NOISE_DRIVEN)}
+    assert all(e <= TOL / 10 for e in noise.values()), noise
     # five steps that changed nothing would also "match": the loss moves by far more than TOL
     assert ref["losses"][-1] < ref["losses"][0] * (1 - 1e2 * TOL)
 

@@ -75,8 +75,10 @@ def copy_checkpoint(run_dir: Path, tag: str, out_dir: Path) -> None:
 
 def resume_copy(num_gpus: int, config: Path, run_dir: Path, tag: str, out_dir: Path) -> subprocess.CompletedProcess:
     """Run the job again from a copy of checkpoint `tag` of `run_dir` (`copy_checkpoint`), `out_dir` its output."""
+    from tests.launcher.in_world import run_job
+
     copy_checkpoint(run_dir, tag, out_dir)
-    return launch(num_gpus, config, "--train.output_dir", str(out_dir), "--checkpoint.load", "latest")
+    return run_job(num_gpus, config, "--train.output_dir", str(out_dir), "--checkpoint.load", "latest")
 
 
 def config_copy(config: Path, path: Path, output_dir: Path, **hybrid_edits) -> Path:

@@ -9,7 +9,8 @@ import re
 import torch
 import torch.nn.functional as F
 
-from tests.launcher.harness import demo_config, launch, read_metrics
+from tests.launcher.harness import demo_config, read_metrics
+from tests.launcher.in_world import run_job
 
 
 def test_qwen2_trains_from_hf_and_reshards_through_the_universal_checkpoint(tmp_path):
@@ -32,7 +33,7 @@ def test_qwen2_trains_from_hf_and_reshards_through_the_universal_checkpoint(tmp_
     raw = json.loads(config.read_text())
     raw["hybrid3d"]["data"] = {"path": str(docs), "seq_length": 64, "eval_fraction": 0.05}
     config.write_text(json.dumps(raw))
-    trained = launch(4, config)
+    trained = run_job(4, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "layout TP2-PP2-DP1" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
@@ -51,7 +52,7 @@ def test_qwen2_trains_from_hf_and_reshards_through_the_universal_checkpoint(tmp_
     assert math.isclose(metrics[0]["loss"], expected, rel_tol=1e-5), (metrics[0]["loss"], expected)
     assert metrics[-1]["loss"] < metrics[0]["loss"], [m["loss"] for m in metrics]
 
-    resharded = launch(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+    resharded = run_job(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
                        "--checkpoint.load", str(tmp_path / "run" / "checkpoints"), "--eval-only")
     assert resharded.returncode == 0, resharded.stdout[-3000:] + resharded.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in resharded.stdout

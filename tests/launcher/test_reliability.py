@@ -21,7 +21,8 @@ import torch
 from hybrid3d.checkpoint.resume import ResumePlan
 from hybrid3d.checkpoint.universal import scratch_folder
 from hybrid3d.training.entry import main
-from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch, launch_env, layer_states, read_metrics
+from tests.launcher.harness import STEPS, deepspeed_command, demo_config, launch_env, layer_states, read_metrics
+from tests.launcher.in_world import run_job
 
 FAULTS = str(Path(__file__).parent / "faults")
 
@@ -68,7 +69,7 @@ def test_kill_9_during_a_save_loses_nothing(uninterrupted, tmp_path):
     assert (checkpoints / "latest").read_text() == "global_step4"
     assert not (checkpoints / "global_step8").exists() and (checkpoints / "global_step8.incomplete").exists()
 
-    resumed = launch(4, config, "--checkpoint.load", "latest")
+    resumed = run_job(4, config, "--checkpoint.load", "latest")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "at step 4" in resumed.stdout
     losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
@@ -122,7 +123,7 @@ def test_corrupted_shard_is_named_before_loading(uninterrupted, tmp_path):
     middle = len(data) // 2
     data[middle:middle + 64] = bytes(64)  # same size, damaged bytes
     victim.write_bytes(bytes(data))
-    result = launch(4, uninterrupted["config"], "--checkpoint.load", str(checkpoints), "--eval-only")
+    result = run_job(4, uninterrupted["config"], "--checkpoint.load", str(checkpoints), "--eval-only")
     assert result.returncode == 2
     errors = [line for line in result.stderr.splitlines() + result.stdout.splitlines() if "error: " in line]
     assert len(errors) == 1 and str(victim) in errors[0] and "corrupted checkpoint file" in errors[0], errors
@@ -213,13 +214,13 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
     checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text() == latest
     if latest == "global_step4":
-        resumed = launch(4, config, "--checkpoint.load", "latest")
+        resumed = run_job(4, config, "--checkpoint.load", "latest")
         assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
         losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
         assert losses[-4:] == [m["loss"] for m in uninterrupted["metrics"]][-4:]
         assert (checkpoints / "latest").read_text() == "global_step8" and not (checkpoints / "global_step4").exists()
         return
-    evaluated = launch(4, config, "--checkpoint.load", "latest", "--eval-only")
+    evaluated = run_job(4, config, "--checkpoint.load", "latest", "--eval-only")
     assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", evaluated.stdout).group(1))
     assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)
@@ -236,7 +237,7 @@ def test_kill_9_during_the_universal_conversion_is_redone(uninterrupted, tmp_pat
     scratch = scratch_folder(ResumePlan(checkpoints, "global_step8", {}, module_only=False, universal=True))
     assert list(scratch.glob("global_step8_universal.incomplete-*"))
     assert not (scratch / "global_step8_universal").exists()
-    result = launch(4, uninterrupted["config"], *args)
+    result = run_job(4, uninterrupted["config"], *args)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)

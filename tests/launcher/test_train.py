@@ -18,8 +18,9 @@ import psutil
 import pytest
 import torch
 
-from tests.launcher.harness import (REPO, STEPS, config_copy, deepspeed_command, demo_config, launch, launch_env,
-                                    layer_states, read_metrics, resume_copy)
+from tests.launcher.harness import (REPO, STEPS, config_copy, deepspeed_command, demo_config, launch_env, layer_states,
+                                    read_metrics, resume_copy)
+from tests.launcher.in_world import run_job
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
 
@@ -61,7 +62,7 @@ def interrupted(tmp_path_factory):
             break
         time.sleep(0.2)
     first_output, _ = proc.communicate(timeout=300)
-    resumed = launch(4, config, "--checkpoint.load", "latest")
+    resumed = run_job(4, config, "--checkpoint.load", "latest")
     return dict(first_rc=proc.returncode, first_output=first_output, resumed=resumed, out=tmp / "run")
 
 
@@ -97,7 +98,7 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
     (4, ["--pipeline_schedule", "dualpipev"]),
 ], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev"])
 def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
-    result = launch(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
+    result = run_job(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
                     str(uninterrupted["out"] / "checkpoints"), "--eval-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in result.stdout
@@ -111,7 +112,7 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
     step-4 checkpoint resumed continues bit for bit; its last checkpoint evaluates at TP1xPP1 through the
     universal checkpoint to its own eval loss."""
     config = demo_config(tmp_path, pipeline_schedule="interleaved", virtual_pipeline_size=2)
-    trained = launch(4, config)
+    trained = run_job(4, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "interleaved 1F1B schedule (2 chunks per rank)" in trained.stdout
     assert "stage 0: layers 0-1 and 3-3" in trained.stdout  # rank 0 holds stages 0 and 2 of 4
@@ -128,7 +129,7 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
     assert "through DeepSpeed's universal checkpoint" not in resumed.stdout
     assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[4:]]
 
-    evaluated = launch(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+    evaluated = run_job(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
                        "--pipeline_schedule", "1f1b", "--virtual_pipeline_size", "1", "--checkpoint.load",
                        str(checkpoints), "--eval-only")
     assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
@@ -161,7 +162,7 @@ def test_training_starts_from_hf_weights(tmp_path):
     raw["hybrid3d"]["data"] = {"path": str(docs), "seq_length": 64}
     raw["hybrid3d"]["train"].update(steps=1, eval_interval=0)
     config.write_text(json.dumps(raw))
-    result = launch(2, config)
+    result = run_job(2, config)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     loss = read_metrics(tmp_path / "run")[0]["loss"]
 
@@ -178,12 +179,12 @@ def test_context_parallel_run_resumes_at_another_layout(tmp_path):
     """A TP2+SP x CP2 run's checkpoint (ZeRO partitions over the d·c = 2 sequence-data-parallel ranks)
     reshards to one rank through the universal checkpoint and evaluates to the run's own last eval loss."""
     config = demo_config(tmp_path, pipeline_parallel_size=1, context_parallel_size=2, sequence_parallel=True)
-    trained = launch(4, config)
+    trained = run_job(4, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "layout TP2+SP-CP2-PP1-DP1" in trained.stdout and "16 tokens per rank" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, [m["loss"] for m in metrics]
-    result = launch(1, config, "--tensor_parallel_size", "1", "--context_parallel_size", "1", "--sequence_parallel",
+    result = run_job(1, config, "--tensor_parallel_size", "1", "--context_parallel_size", "1", "--sequence_parallel",
                     "false", "--checkpoint.load", str(tmp_path / "run" / "checkpoints"), "--eval-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in result.stdout
@@ -201,7 +202,7 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     make_mixtral(model_dir, vocab_size=4096)  # the built-in tokenizer's vocabulary
     config = demo_config(tmp_path, tensor_parallel_size=1, pipeline_parallel_size=1, expert_parallel_size=2,
                          model={"hf_model": str(model_dir), "init_from_hf": True})
-    trained = launch(2, config)
+    trained = run_job(2, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "EP2" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
@@ -230,7 +231,7 @@ def test_chat_fine_tune_demo_runs_on_the_converted_demo_model(uninterrupted, tmp
     common = ("--model.hf_model", str(export), "--data.chat_template", str(REPO / "ds_configs" / "chat_template.jinja"),
               "--train.steps", "4", "--train.eval_interval", "4", "--train.log_interval", "1",
               "--scheduler.params.total_num_steps", "4")
-    result = launch(4, config, *common)
+    result = run_job(4, config, *common)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "data: " in result.stdout and " examples in " in result.stdout and "documents masked" in result.stdout
     metrics = read_metrics(tmp_path / "chat")
@@ -238,7 +239,7 @@ def test_chat_fine_tune_demo_runs_on_the_converted_demo_model(uninterrupted, tmp
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text("".join(json.dumps({"text": f"no messages here {i}"}) + "\n" for i in range(40)))
-    refused = launch(4, config, *common, "--data.path", str(bad), "--train.output_dir", str(tmp_path / "refused"))
+    refused = run_job(4, config, *common, "--data.path", str(bad), "--train.output_dir", str(tmp_path / "refused"))
     assert refused.returncode == 2
     errors = [line for line in refused.stdout.splitlines() + refused.stderr.splitlines() if "error:" in line]
     assert errors and all("'chat' needs column 'messages'" in line for line in errors), errors

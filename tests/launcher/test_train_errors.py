@@ -2,6 +2,7 @@
 after the process group starts, with one line and nothing written."""
 
 from tests.launcher.harness import launch
+from tests.launcher.in_world import run_job
 from tests.unit.test_train_inputs import h, write_config
 
 
@@ -21,7 +22,7 @@ def test_data_error_after_start_up_is_one_line_and_writes_nothing(tmp_path):
     empty.write_text("")
     config = write_config(tmp_path, lambda c: h(c)["data"].update(path=str(empty), eval_fraction=0.0,
                                                                   ) or h(c)["train"].update(eval_interval=0))
-    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", timeout=300)
+    result = run_job(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", timeout=300)
     assert result.returncode == 2
     errors = [line for line in (result.stdout + result.stderr).splitlines() if "error" in line and "empty" in line]
     assert len(errors) == 1 and errors[0].startswith("error: hybrid3d.data.path:") and "holds no documents" in errors[0]
@@ -32,7 +33,7 @@ def test_launcher_flag_after_the_script_is_refused(tmp_path):
     """`deepspeed launch/train.py ... --num_gpus 2`: the runner hands the flag to the script (and would run on
     every local device); the script refuses it with a hint, before anything is written."""
     config = write_config(tmp_path)
-    result = launch(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", "--num_gpus", "2",
+    result = run_job(2, config, "--tensor_parallel_size", "2", "--pipeline_parallel_size", "1", "--num_gpus", "2",
                     timeout=300)
     assert result.returncode == 2
     errors = [line for line in (result.stdout + result.stderr).splitlines() if line.startswith("error:")]
