@@ -150,14 +150,14 @@ def test_a_rank_that_stops_answering_ends_the_job(tmp_path):
 
 
 def nan_run(tmp_path, policy: str):
-    """NaN loss in step 3 (the 9th loss call on the last stage: GAS 4)."""
+    """NaN loss in step 3 (the 9th loss call on the last stage: GAS 4); the job in the pooled world of 4 (the
+    policy, not the process, is the subject)."""
     config = demo_config(tmp_path)
     raw = json.loads(config.read_text())
     raw["hybrid3d"]["train"].update(on_nonfinite=policy, steps=5, eval_interval=0)
     raw["hybrid3d"]["checkpoint"] = {"save_interval": 1}
     config.write_text(json.dumps(raw))
-    return subprocess.run(deepspeed_command(4, config), capture_output=True, text=True, cwd=tmp_path, timeout=600,
-                          env=fault_env({"kind": "nan_loss", "call": 9}))
+    return run_job(4, config, nan_loss_call=9)
 
 
 def test_nan_with_skip_policy_skips_the_update(tmp_path):
@@ -196,22 +196,55 @@ def killed_in(fault: dict, config: Path, tmp_path: Path, *args: str) -> str:
     return marker.read_text()
 
 
-@pytest.mark.parametrize("fault, latest", [
-    ({"kind": "pause_in_commit", "phase": "manifest"}, "global_step4"),
-    ({"kind": "pause_in_commit", "phase": "rename"}, "global_step4"),
-    ({"kind": "pause_in_commit", "phase": "latest"}, "global_step4"),
-    ({"kind": "pause_in_prune"}, "global_step8"),
-], ids=["before-manifest", "before-rename", "before-latest", "during-pruning"])
-def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path, fault, latest):
-    """Rank 0 killed -9 at each phase of committing step 8 (keep_last 1, so the commit prunes step 4): `latest`
-    names a complete tag, and the job resumes from it to the uninterrupted run's losses (from step 4) or
-    evaluates to its last eval loss (from step 8, with step 4 left half-deleted by the pruning)."""
+def commit_killed_at(phase: str, save_dir: Path, tag: str, keep_last: int, step: int) -> None:
+    """What rank 0 does after every rank saved (checkpoint/saver.py: the commit of `tag`, then the pruning), in a
+    forked child that kills itself -9 at `phase` (the faults of tests/launcher/faults)."""
+    from hybrid3d.checkpoint import commit, files
+    from tests.launcher.faults.fault_patches import patch_commit, patch_prune
+
+    pid = os.fork()
+    if pid == 0:  # the child: no test code runs after the fault
+        try:
+            die = lambda reason: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
+            patch_prune(files, die) if phase == "prune" else patch_commit(commit, phase, tag, die)
+            commit.commit(save_dir, tag)
+            files.prune_checkpoints(save_dir, keep_last, step)
+        finally:
+            os._exit(3)  # reached only if the fault never fired
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the fault at {phase} never fired"
+
+
+@pytest.mark.parametrize("phase, latest", [("manifest", "global_step4"), ("rename", "global_step4"),
+                                           ("latest", "global_step4"), ("prune", "global_step8")],
+                         ids=["before-manifest", "before-rename", "before-latest", "during-pruning"])
+def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path, phase, latest):
+    """The committing process killed -9 at each phase of committing step 8 (keep_last 1, so the commit prunes step
+    4): `latest` names a complete tag, and the job resumes from it to the uninterrupted run's losses (from step 4)
+    or evaluates to its last eval loss (from step 8, with step 4 left half-deleted by the pruning).
+
+    The commit runs in a forked child of this process over the uninterrupted run's files, staged as the ranks
+    leave them (`global_step8.incomplete`, `latest` at step 4); a rank killed -9 inside a launched job is
+    test_kill_9_during_a_save_loses_nothing, the launcher's own handling of a dead rank the same test."""
+    from hybrid3d.checkpoint.files import MANIFEST_KEY, read_meta, write_meta
+
     config = demo_config(tmp_path)
     raw = json.loads(config.read_text())
     raw["hybrid3d"]["checkpoint"]["keep_last"] = 1
     config.write_text(json.dumps(raw))
-    killed_in(fault, config, tmp_path)
     checkpoints = tmp_path / "run" / "checkpoints"
+    source = uninterrupted["out"] / "checkpoints"
+    for name in ("global_step4", "hf"):
+        shutil.copytree(source / name, checkpoints / name)
+    staged = checkpoints / "global_step8.incomplete"
+    shutil.copytree(source / "global_step8", staged)
+    meta = read_meta(staged)
+    del meta[MANIFEST_KEY]  # written by the commit
+    write_meta(staged, meta)
+    (checkpoints / "latest").write_text("global_step4")
+    shutil.copy(uninterrupted["out"] / "metrics.jsonl", tmp_path / "run" / "metrics.jsonl")
+
+    commit_killed_at(phase, checkpoints, "global_step8", keep_last=1, step=8)
     assert (checkpoints / "latest").read_text() == latest
     if latest == "global_step4":
         resumed = run_job(4, config, "--checkpoint.load", "latest")
@@ -220,6 +253,8 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
         assert losses[-4:] == [m["loss"] for m in uninterrupted["metrics"]][-4:]
         assert (checkpoints / "latest").read_text() == "global_step8" and not (checkpoints / "global_step4").exists()
         return
+    assert (checkpoints / "global_step4").exists() and len(list((checkpoints / "global_step4").iterdir())) < len(
+        list((source / "global_step4").iterdir()))  # half-deleted
     evaluated = run_job(4, config, "--checkpoint.load", "latest", "--eval-only")
     assert evaluated.returncode == 0, evaluated.stdout[-3000:] + evaluated.stderr[-3000:]
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", evaluated.stdout).group(1))

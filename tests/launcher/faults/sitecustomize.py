@@ -1,4 +1,5 @@
-"""Fault injection for reliability tests, loaded into launched ranks through PYTHONPATH.
+"""Fault injection for reliability tests, loaded into launched ranks through PYTHONPATH (the faults themselves:
+fault_patches.py, beside this file).
 
 HYBRID3D_TEST_FAULT (JSON) selects one fault; nothing here runs without it:
 - {"kind": "pause_in_save", "rank": R, "match": "global_step8", "marker": PATH}: rank R, about to
@@ -17,6 +18,8 @@ import json
 import os
 import sys
 import time
+
+import fault_patches
 
 FAULT = json.loads(os.environ.get("HYBRID3D_TEST_FAULT", "null"))
 
@@ -42,30 +45,6 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _pause_in_save(torch):
-    original = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        if int(os.environ.get("RANK", -1)) == FAULT["rank"] and FAULT["match"] in str(f):
-            open(FAULT["marker"], "w").close()
-            time.sleep(600)
-        return original(obj, f, *args, **kwargs)
-
-    torch.save = save
-
-
-def _nan_loss(llama):
-    original = llama.LanguageModelLoss.__call__
-    calls = [0]
-
-    def call(self, logits, targets):
-        loss = original(self, logits, targets)
-        calls[0] += 1
-        return loss * float("nan") if calls[0] == FAULT["call"] else loss
-
-    llama.LanguageModelLoss.__call__ = call
-
-
 def _pause(reason: str) -> None:
     """Tell the test where this rank is (the marker file) and wait to be killed."""
     with open(FAULT["marker"], "w") as f:
@@ -73,74 +52,15 @@ def _pause(reason: str) -> None:
     time.sleep(600)
 
 
-def _pause_in_commit(commit):
-    """Rank 0's commit of global_step8 (checkpoint/commit.py): 'manifest' before the manifest is written,
-    'rename' with the manifest written but the folder not renamed, 'latest' with the folder renamed and the new
-    `latest` written to its temporary name but not moved into place."""
-    phase, write_meta, fsync_dir, fsync_file = FAULT["phase"], commit.write_meta, commit.fsync_dir, commit.fsync_file
+PATCHES = {  # kind -> (module patched right after its import, the patch)
+    "pause_in_save": ("torch", lambda m: fault_patches.patch_save(m, FAULT["rank"], FAULT["match"], _pause)),
+    "nan_loss": ("hybrid3d.model.llama", lambda m: fault_patches.patch_nan_loss(m, FAULT["call"])),
+    "pause_in_commit": ("hybrid3d.checkpoint.commit",
+                        lambda m: fault_patches.patch_commit(m, FAULT["phase"], "global_step8", _pause)),
+    "pause_in_prune": ("hybrid3d.checkpoint.files", lambda m: fault_patches.patch_prune(m, _pause)),
+    "pause_in_universal": ("hybrid3d.checkpoint.universal", lambda m: fault_patches.patch_universal(m, _pause)),
+}
 
-    def meta(tag_dir, content):
-        if phase == "manifest" and commit.MANIFEST_KEY in content and "global_step8" in str(tag_dir):
-            _pause(phase)
-        return write_meta(tag_dir, content)
-
-    def sync_dir(path):
-        if phase == "rename" and str(path).endswith("global_step8.incomplete"):
-            _pause(phase)
-        return fsync_dir(path)
-
-    def sync_file(path):
-        if phase == "latest" and str(path).endswith(".latest.tmp") and open(path).read() == "global_step8":
-            _pause(phase)
-        return fsync_file(path)
-
-    commit.write_meta, commit.fsync_dir, commit.fsync_file = meta, sync_dir, sync_file
-
-
-def _pause_in_prune(files):
-    """Pruning (checkpoint/files.py): the first tag to go loses one file, then the rank waits: a half-deleted tag."""
-    real = files.shutil
-
-    class Shutil:  # the module, with `rmtree` stopping half-way
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def rmtree(path, *args, **kwargs):
-            victim = next((p for p in sorted(os.listdir(path)) if p.endswith(".pt")), None)
-            if victim:
-                os.remove(os.path.join(path, victim))
-            _pause("prune")
-            return real.rmtree(path, *args, **kwargs)
-
-    files.shutil = Shutil()
-
-
-def _pause_in_universal(universal):
-    """The universal conversion (checkpoint/universal.py): DeepSpeed's converter has run, the result is neither
-    marked nor renamed into place."""
-    real = universal.subprocess
-
-    class Subprocess:  # the module, with `run` pausing after it returns
-        def __getattr__(self, name):
-            return getattr(real, name)
-
-        @staticmethod
-        def run(*args, **kwargs):
-            result = real.run(*args, **kwargs)
-            _pause("universal")
-            return result
-
-    universal.subprocess = Subprocess()
-
-
-if FAULT and FAULT["kind"] == "pause_in_commit":
-    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.commit", _pause_in_commit))
-elif FAULT and FAULT["kind"] == "pause_in_prune":
-    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.files", _pause_in_prune))
-elif FAULT and FAULT["kind"] == "pause_in_universal":
-    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.checkpoint.universal", _pause_in_universal))
-elif FAULT and FAULT["kind"] == "pause_in_save":
-    sys.meta_path.insert(0, _PatchAfterImport("torch", _pause_in_save))
-elif FAULT and FAULT["kind"] == "nan_loss":
-    sys.meta_path.insert(0, _PatchAfterImport("hybrid3d.model.llama", _nan_loss))
+if FAULT:
+    module, patch = PATCHES[FAULT["kind"]]
+    sys.meta_path.insert(0, _PatchAfterImport(module, patch))
