@@ -55,8 +55,16 @@ def build_version(package: str, tp: int, precision: str, args, model_dir: str):
     groups.mpu = None  # DeepSpeed keeps the last engine's mpu in a module global
     hf = LlamaForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     shape = importlib.import_module(package + ".model").LlamaShape.from_hf(hf.config)
-    trainer = importlib.import_module(package + ".training.trainer").build_trainer(
-        ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp}}), shape, hf_state_dict=hf.state_dict())
+    build_trainer = importlib.import_module(package + ".training.trainer").build_trainer
+    config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp}})
+    try:  # a version with one validation pass takes only its result
+        validate_run = importlib.import_module(package + ".training.validation").validate_run
+    except ModuleNotFoundError:  # an earlier version validates the JSON inside build_trainer
+        trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())
+    else:
+        import deepspeed.comm as dist
+
+        trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
     return trainer.engine, trainer.train_step, trainer.groups.get_data_parallel_rank()
 
 

@@ -161,3 +161,13 @@ def environment_markdown(env: dict, command: str) -> str:
         f"- commit: {env['commit']}{' (with uncommitted changes)' if env['dirty'] else ''}",
         f"- command: `{command}`",
     ])
+
+
+def build_trainer_from_json(raw: dict, shape, hf_state_dict=None):
+    """A trainer from a DeepSpeed JSON with its "hybrid3d" section, validated once for this world."""
+    import deepspeed.comm as dist
+
+    from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
+
+    return build_trainer(validate_run(raw, dist.get_world_size(), shape), hf_state_dict=hf_state_dict)

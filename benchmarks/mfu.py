@@ -80,9 +80,9 @@ def build(system: str, args):
     torch.manual_seed(0)
     if system == "hybrid3d":
         from hybrid3d.model import LlamaShape
-        from hybrid3d.training.trainer import build_trainer
+        from common import build_trainer_from_json
 
-        trainer = build_trainer(ds_config(args, world, {"hybrid3d": {"tensor_parallel_size": 1}}),
+        trainer = build_trainer_from_json(ds_config(args, world, {"hybrid3d": {"tensor_parallel_size": 1}}),
                                 LlamaShape.from_hf(config))
         module = trainer.module
         return trainer.engine, lambda ids, t: module.loss_fn(trainer.engine(ids), t)

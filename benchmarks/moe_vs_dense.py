@@ -82,7 +82,7 @@ def run_config(run: dict, steps: int) -> dict:
     from hybrid3d.ds_internals import swapped, tuple_backward
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
-    from hybrid3d.training.trainer import build_trainer
+    from common import build_trainer_from_json
 
     gc.collect()
     rss_base = reset_peak_rss()
@@ -90,7 +90,7 @@ def run_config(run: dict, steps: int) -> dict:
     stock = contextlib.nullcontext() if run["one_backward"] else swapped(tuple_backward, "initialize",
                                                                           deepspeed.initialize)
     with stock:
-        trainer = build_trainer(ds_config(run), shape)
+        trainer = build_trainer_from_json(ds_config(run), shape)
     probe = PeakProbe(trainer.engine)
     data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())
     comms = measure_second_step(trainer, data, probe)

@@ -66,14 +66,14 @@ def world_main(rank, world_size, runs, args):
 
     from hybrid3d.ds_internals.timeline import InstructionTimeline, SavedActivationProbe
     from hybrid3d.model import LlamaShape
-    from hybrid3d.training.trainer import build_trainer
+    from common import build_trainer_from_json
 
     shape = LlamaShape(**SHAPE)
     results = {}
     for group in sorted({r["m"] for r in runs}):
         built = []
         for run in (r for r in runs if r["m"] == group):
-            trainer = build_trainer(ds_config(run, args), shape)
+            trainer = build_trainer_from_json(ds_config(run, args), shape)
             data = random_batches(shape.vocab_size, args.micro_batch, args.seq, seed=0)
             trainer.train_step(data)  # warm-up: Adam's moments, the activation spec, caches
             built.append((run, trainer, data, InstructionTimeline(trainer.engine)))

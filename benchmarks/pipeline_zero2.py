@@ -106,10 +106,10 @@ def run_config(run: dict, dp: int, args) -> dict:
 
     from hybrid3d.ds_internals.memory_probe import PeakProbe, census
     from hybrid3d.model import LlamaShape
-    from hybrid3d.training.trainer import build_trainer
+    from common import build_trainer_from_json
 
     shape = LlamaShape(**SHAPE)
-    trainer = build_trainer(ds_config(run, dp, args), shape)
+    trainer = build_trainer_from_json(ds_config(run, dp, args), shape)
     probe = PeakProbe(trainer.engine)
     data = random_batches(shape.vocab_size, 1, args.seq, trainer.groups.get_data_parallel_rank())
     comms = measure_second_step(trainer, data, probe)

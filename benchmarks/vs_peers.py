@@ -81,10 +81,10 @@ def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str
     hf = LlamaForCausalLM.from_pretrained(hf_model_dir, dtype=torch.float32)
     if system == "hybrid3d":
         from hybrid3d.model import LlamaShape
-        from hybrid3d.training.trainer import build_trainer
+        from common import build_trainer_from_json
 
         config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}})
-        trainer = build_trainer(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
+        trainer = build_trainer_from_json(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
         check_sequences_per_step(system, trainer.engine, trainer.layout.dp, args.global_batch)
         return trainer.engine, trainer.train_step, trainer.groups.get_data_parallel_rank()
     extra = {"tensor_parallel": {"autotp_size": tp}} if system == "hf-autotp" else {}

@@ -75,13 +75,13 @@ def run_config(run: dict, steps: int) -> dict:
 
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
-    from hybrid3d.training.trainer import build_trainer
+    from common import build_trainer_from_json
 
     gc.collect()
     rss_base = reset_peak_rss()
     shape = LlamaShape(**SIZES[run["size"]])
     tp, pp, dp = run["tp"], run["pp"], run["dp"]
-    trainer = build_trainer(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
+    trainer = build_trainer_from_json(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
                                       run["micro_batch"], run["bucket"]), shape)
     probe = PeakProbe(trainer.engine)
     data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())

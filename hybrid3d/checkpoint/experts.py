@@ -16,9 +16,19 @@ from pathlib import Path
 import torch
 
 from hybrid3d.ds_internals.durable_save import fsync_file
-from hybrid3d.errors import CheckpointError
+from hybrid3d.errors import CheckpointError, LayoutError
 
 EXPERT_PARAM = ".mlp.experts."  # hybrid3d's expert parameter names: `<i>.mlp.experts.<e>.<proj>.weight`
+
+
+def check_expert_checkpoints(ep: int, pp: int, universal: bool = False) -> None:
+    """Expert-parallel checkpoints are written and read without a pipeline, at the layout they were saved at:
+    DeepSpeed's PipelineEngine takes a MoE model's checkpoint dict for its module state (`pipe/engine.py`
+    `load_module_state_dict`), and `ds_to_universal` knows nothing of expert placement. The training job
+    checks it at start-up (it always saves at the end), the trainer at every save and load."""
+    if ep > 1 and (pp > 1 or universal):
+        raise LayoutError(f"hybrid3d.expert_parallel_size ({ep}): checkpoints are supported with "
+                          "pipeline_parallel_size 1 and without resharding (load_universal) only for now")
 
 
 def expert_file(tag_dir, ep_rank: int, mp_rank: int) -> Path:

@@ -178,10 +178,7 @@ def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
     sp, cp = hybrid.sequence_parallel, hybrid.context_parallel_size
     tp, pp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size
     seq = hybrid.data.seq_length
-    if sp:
-        if tp == 1:
-            raise ConfigError(f"{SECTION}.sequence_parallel needs {SECTION}.tensor_parallel_size > 1 "
-                              "(it splits the sequence over the tensor-parallel group)")
+    if sp:  # with tp > 1 (parallel/layout.py)
         if ds.get("activation_checkpointing", {}).get("partition_activations", False):
             raise ConfigError(f"activation_checkpointing.partition_activations cannot be combined with "
                               f"{SECTION}.sequence_parallel: the checkpointed activations are already split over TP")
@@ -236,17 +233,15 @@ def checkpoints_in_flight(num_layers: int, pp: int, interval: int, gas: int) -> 
     return chunks * (min(pp, gas) if pp > 1 else 1)
 
 
-def check_expert_parallel(ds: dict, hybrid: HybridSection, dp: int) -> None:
+def check_expert_parallel(ds: dict, hybrid: HybridSection) -> None:
     """`expert_parallel_size` (e): the combinations tested against HF, one line for each of the others.
     e divides the data-parallel size d (the expert-parallel groups are e of the d data ranks). ZeRO stage 0
     clips with DeepSpeed's fp32 `clip_grad_norm_`, which averages per-rank norms where the experts' squares
     must be summed (ds_internals/experts.py); bf16/fp16, context and sequence parallelism, and the pipeline
     schedules other than 1F1B are untested with experts spread over ranks."""
-    e, key = hybrid.expert_parallel_size, f"{SECTION}.expert_parallel_size"
+    e, key = hybrid.expert_parallel_size, f"{SECTION}.expert_parallel_size"  # e divides d: parallel/layout.py
     if e == 1:
         return
-    if dp % e:
-        raise ConfigError(f"{key} ({e}) must divide the data-parallel size ({dp})")
     if hybrid.context_parallel_size > 1:
         raise ConfigError(f"{key} > 1 cannot be combined with {SECTION}.context_parallel_size > 1 yet")
     if hybrid.sequence_parallel:

@@ -18,7 +18,7 @@ from hybrid3d.config.ds_checks import (
 )
 from hybrid3d.config.ds_keys import check_deepspeed_keys
 from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section
-from hybrid3d.errors import ConfigError
+from hybrid3d.parallel.layout import ParallelLayout
 
 
 @dataclass
@@ -29,6 +29,7 @@ class RunConfig:
     the sequences a step trains on (`sequences_per_step`, the JSON's `train_batch_size`)."""
 
     hybrid: HybridSection
+    layout: ParallelLayout
     ds_config: dict = field(default_factory=dict)
 
     @property
@@ -76,28 +77,26 @@ class RunConfig:
         return self.ds_config.get("pipeline", {}).get("use_reentrant", True) is not False
 
 
-def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True) -> RunConfig:
-    """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks."""
+def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True,
+                 hybrid: HybridSection | None = None) -> RunConfig:
+    """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks; `hybrid`: its section, if the
+    caller parsed it already. The checks that need the model too: `training.validation.validate_run`."""
     check_deepspeed_keys({k: v for k, v in raw.items() if k != SECTION})
-    hybrid = parse_hybrid_section(raw)
-    tp, pp, cp = hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size, hybrid.context_parallel_size
-    if world_size % (tp * pp * cp):
-        cp_part = f" * {SECTION}.context_parallel_size" if cp > 1 else ""
-        sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
-        raise ConfigError(
-            f"world size {world_size} is not divisible by {SECTION}.tensor_parallel_size * "
-            f"{SECTION}.pipeline_parallel_size{cp_part} = {sizes}")
+    hybrid = hybrid if hybrid is not None else parse_hybrid_section(raw)
+    layout = ParallelLayout.for_world(world_size, hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size,
+                                      hybrid.context_parallel_size, hybrid.sequence_parallel,
+                                      hybrid.expert_parallel_size)
     ds = {k: v for k, v in raw.items() if k != SECTION}
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
     check_sequence_splits(ds, hybrid)
-    complete_batch_sizes(ds, world_size // (tp * pp * cp))
-    ds["train_batch_size"] *= cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
+    complete_batch_sizes(ds, layout.dp)
+    ds["train_batch_size"] *= layout.cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
     check_pipeline_schedule(ds, hybrid)
     check_document_mask(hybrid)
-    check_zero_and_precision(ds, pp, hybrid.pipeline_zero2)
+    check_zero_and_precision(ds, layout.pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
-    check_expert_parallel(ds, hybrid, world_size // (tp * pp * cp))
+    check_expert_parallel(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
     check_checkpoint_engine(ds)
-    check_activation_checkpointing(ds, pp, num_layers, on_cpu)
-    return RunConfig(hybrid=hybrid, ds_config=ds)
+    check_activation_checkpointing(ds, layout.pp, num_layers, on_cpu)
+    return RunConfig(hybrid=hybrid, layout=layout, ds_config=ds)

@@ -57,6 +57,7 @@ def _verify(args) -> int:
     from hybrid3d.parallel.layout import ParallelLayout
     from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     checkpoint = HybridCheckpoint.open(args.checkpoint, args.tag)
     if not launched() and checkpoint.tp * checkpoint.pp > 1:
@@ -83,7 +84,7 @@ def _verify(args) -> int:
         ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
     if args.dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
-    trainer = build_trainer(ds_config, shape)
+    trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape))
     trainer.load(args.checkpoint, tag=args.tag, module_only=True)
 
     generator = torch.Generator().manual_seed(args.seed)

@@ -42,7 +42,7 @@ class ParallelLayout:
             if not isinstance(value, int) or value < 1:
                 raise LayoutError(f"{name} must be a positive integer, got {value!r}")
         if self.sp and self.tp == 1:
-            raise LayoutError("hybrid3d.sequence_parallel needs tensor_parallel_size > 1 (it splits the "
+            raise LayoutError("hybrid3d.sequence_parallel needs hybrid3d.tensor_parallel_size > 1 (it splits the "
                               "sequence over the tensor-parallel group)")
         if self.dp % self.ep:
             raise LayoutError(f"hybrid3d.expert_parallel_size ({self.ep}) must divide the data-parallel size ({self.dp})")
@@ -52,10 +52,11 @@ class ParallelLayout:
                   ep: int = 1) -> "ParallelLayout":
         """Derive dp = world / (tp * pp * cp)."""
         if tp < 1 or pp < 1 or cp < 1:
-            raise LayoutError(f"tensor_parallel_size ({tp}), pipeline_parallel_size ({pp}) and "
+            raise LayoutError(f"hybrid3d.tensor_parallel_size ({tp}), pipeline_parallel_size ({pp}) and "
                               f"context_parallel_size ({cp}) must be >= 1")
         if world_size % (tp * pp * cp):
-            names = "tensor_parallel_size * pipeline_parallel_size" + (" * context_parallel_size" if cp > 1 else "")
+            names = "hybrid3d.tensor_parallel_size * hybrid3d.pipeline_parallel_size" + (
+                " * hybrid3d.context_parallel_size" if cp > 1 else "")
             sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
             raise LayoutError(f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}")
         return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp, ep=ep)

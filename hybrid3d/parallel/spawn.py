@@ -12,6 +12,7 @@ fresh one. `run_world` is one call in a world of its own. A world's shared-memor
 removed when it ends.
 """
 
+import gc
 import os
 import queue
 import socket
@@ -21,6 +22,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
+from hybrid3d.ds_internals.process_groups import release_process_groups
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.parallel.threads import threads_per_rank, usable_cores
 
@@ -57,7 +59,10 @@ def _serve(rank, world_size, port, inbox, outbox):
         try:
             result = fn(rank, world_size, *args)
             torch.save(result, path)
-            dist.barrier()  # the next call starts on every rank together
+            del result
+            dist.barrier()  # every rank is done with the call's groups
+            release_process_groups()  # the next call builds its own (a gloo group holds two threads)
+            gc.collect()  # the call's engines and models, before the next call measures memory
             outbox.put((rank, None))
         except BaseException:  # noqa: BLE001 - reported to the caller, which retires this world
             outbox.put((rank, traceback.format_exc()))

@@ -11,9 +11,9 @@ import os
 import sys
 from pathlib import Path
 
+from hybrid3d.checkpoint.experts import check_expert_checkpoints
 from hybrid3d.checkpoint.resume import ResumePlan, plan_resume, recorded_schedule
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
-from hybrid3d.config.run_config import parse_config
 from hybrid3d.config.sections import parse_hybrid_section, read_json
 from hybrid3d.ds_internals import check_deepspeed_version
 from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
@@ -24,8 +24,7 @@ from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
 from hybrid3d.training.model_source import resolve_model
 from hybrid3d.training.output_folder import check_output_folder
-from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.model.tp_plan import check_moe_options, check_split
+from hybrid3d.training.validation import ValidRun, validate_run
 
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
@@ -49,10 +48,7 @@ class Job:
     """Everything validated before the process group starts."""
 
     raw: dict
-    hybrid: object
-    config: object
-    layout: ParallelLayout
-    shape: LlamaShape
+    run: ValidRun
     source: object
     save_dir: Path
     output_dir: Path
@@ -61,6 +57,22 @@ class Job:
     override_log: list
     verbose: bool = False
     start_over: bool = False  # train.overwrite over a previous run's folders
+
+    @property
+    def hybrid(self):
+        return self.run.config.hybrid
+
+    @property
+    def config(self):
+        return self.run.config
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.run.layout
+
+    @property
+    def shape(self) -> LlamaShape:
+        return self.run.shape
 
 
 def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
@@ -80,17 +92,9 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     source = resolve_model(hybrid.model, hybrid.data)
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     on_cpu = get_accelerator().device_name() == "cpu"
-    config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu)
-    layout = ParallelLayout.for_world(world_size, config.tp, config.pp, config.cp, config.sp, config.ep)
-    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
-    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
-                      pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
-                      use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
-                      document_mask=hybrid.data.document_mask)
-    if layout.ep > 1 and layout.pp > 1:  # the job always saves at the end (training/trainer.py `save`)
-        raise ConfigError("hybrid3d.expert_parallel_size > 1 with pipeline_parallel_size > 1 cannot write "
-                          "checkpoints yet, so the training job refuses it")
-    check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
+    run = validate_run(raw, world_size, shape, on_cpu=on_cpu, hybrid=hybrid)
+    layout, shape = run.layout, run.shape
+    check_expert_checkpoints(layout.ep, layout.pp)  # the job always saves at the end
     train, data = hybrid.train, hybrid.data
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
@@ -129,7 +133,7 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
         missing = sorted(names - set(hf_weights))
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
-    return Job(raw, hybrid, config, layout, shape, source, save_dir, output_dir, plan, hf_weights, override_log,
+    return Job(raw, run, source, save_dir, output_dir, plan, hf_weights, override_log,
                verbose=args.verbose, start_over=start_over)
 
 

@@ -161,19 +161,17 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
                        rank)
     info(f"data: {data.summary}" + (" (documents masked from each other)" if hybrid.data.document_mask else ""),
          is_rank0)
-    config = dataclasses.replace(job.config, ds_config=json.loads(json.dumps(job.config.ds_config)))
     universal_dir = None
     if job.plan is not None and job.plan.universal:
         info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
              "through DeepSpeed's universal checkpoint", is_rank0)
         scratch = scratch_folder(job.plan) if eval_only else None  # an evaluation writes nothing into the checkpoint
         universal_dir = rank0_first(lambda: convert_to_universal(job.plan, scratch), rank)
-        config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
 
     if job.plan is not None and not job.plan.module_only:
         verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())
     with deepspeed_prints(job.verbose):
-        trainer = build_trainer(config, job.shape, hf_state_dict=job.hf_weights)
+        trainer = build_trainer(job.run, hf_state_dict=job.hf_weights, load_universal=universal_dir is not None)
     config = trainer.config
     step, client = 0, {}
     if job.plan is not None:

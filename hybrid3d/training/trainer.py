@@ -14,21 +14,21 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 import contextlib
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from typing import Iterator, Optional
 
 import deepspeed
 import deepspeed.comm as dist
 import torch
-from deepspeed.accelerator import get_accelerator
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
 from deepspeed.runtime.activation_checkpointing import checkpointing as ds_checkpointing
 
-from hybrid3d.checkpoint.experts import load_experts, save_experts
+from hybrid3d.checkpoint.experts import check_expert_checkpoints, load_experts, save_experts
 from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
-from hybrid3d.config.run_config import RunConfig, parse_config
+from hybrid3d.config.run_config import RunConfig
 from hybrid3d.data.packing import MicroBatch
 from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
 from hybrid3d.ds_internals.durable_save import record_saves
@@ -37,13 +37,13 @@ from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
-from hybrid3d.model.pipe import build_pipeline_module, check_schedule_stages
+from hybrid3d.model.pipe import build_pipeline_module
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
-from hybrid3d.model.tp_plan import check_moe_options, check_split
+from hybrid3d.training.validation import ValidRun
 
 Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
 
@@ -125,12 +125,8 @@ class Trainer:
         return client_state or {}
 
     def _check_expert_checkpoint(self) -> None:
-        """Expert-parallel checkpoints are written and read without a pipeline only: DeepSpeed's PipelineEngine
-        treats a MoE model's checkpoint dict as its module state (`pipe/engine.py` `load_module_state_dict`)."""
-        if self.layout.ep > 1 and (self.layout.pp > 1 or self.config.ds_config.get("checkpoint", {}).get(
-                "load_universal", False)):
-            raise LayoutError(f"hybrid3d.expert_parallel_size ({self.layout.ep}): checkpoints are supported with "
-                              f"pipeline_parallel_size 1 and without resharding (load_universal) only for now")
+        check_expert_checkpoints(self.layout.ep, self.layout.pp,
+                                 universal=self.config.ds_config.get("checkpoint", {}).get("load_universal", False))
 
     def _is_module_only(self, load_dir: Path, tag: Optional[str]) -> bool:
         """The tag's hybrid3d.json says so; without one, a ZeRO checkpoint lacking `*optim_states.pt`
@@ -222,26 +218,19 @@ def configure_activation_checkpointing(groups: ProcessGroups, config: RunConfig)
     ds_checkpointing.configure(groups, deepspeed_config=config.ds_config)
 
 
-def build_trainer(config: RunConfig | dict, shape: LlamaShape, hf_state_dict: Optional[dict] = None) -> Trainer:
+def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_universal: bool = False) -> Trainer:
     """Build groups and model, load HF weights if given, initialise DeepSpeed.
 
-    Every rank must call it (it creates process groups). `config` is the config the training job
-    parsed before start-up, or a DeepSpeed JSON with its "hybrid3d" section, parsed here (errors in
-    it raise `ConfigError` before anything is built).
+    Every rank must call it (it creates process groups). `run` is what `validate_run` returned: every check
+    ran there, once, before anything is built. `load_universal`: the checkpoint this trainer will load is
+    DeepSpeed's universal one (a resume at another layout), which its engine must know at initialisation.
     """
-    if isinstance(config, dict):
-        on_cpu = get_accelerator().device_name() == "cpu"
-        config = parse_config(config, dist.get_world_size(), num_layers=shape.num_layers, on_cpu=on_cpu)
-    shape = dataclasses.replace(shape, vocab_pad_multiple=config.hybrid.vocab_pad_multiple)
-    layout = ParallelLayout.for_world(dist.get_world_size(), config.tp, config.pp, config.cp, config.sp, config.ep)
-    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
-    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=config.hybrid.pipeline_schedule,
-                      pipeline_zero2=config.hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
-                      use_reentrant=config.use_reentrant, capacity_factor=config.hybrid.expert_capacity_factor,
-                      document_mask=config.hybrid.data.document_mask)
-    check_schedule_stages(shape, layout.pp, config.hybrid.pipeline_schedule, config.hybrid.virtual_pipeline_size)
-    if config.hybrid.expert_capacity_factor is not None:
-        shape = dataclasses.replace(shape, expert_capacity_factor=config.hybrid.expert_capacity_factor)
+    config, layout, shape = run.config, run.layout, run.shape
+    if dist.get_world_size() != layout.world_size:
+        raise LayoutError(f"the run was validated for {layout.world_size} ranks, this world has {dist.get_world_size()}")
+    config = dataclasses.replace(config, ds_config=json.loads(json.dumps(config.ds_config)))  # DeepSpeed edits it
+    if load_universal:
+        config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     groups = build_groups(layout)
     tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
     if shape.is_moe and layout.pp > 1:

@@ -16,11 +16,12 @@ def train_from_converted(job: dict) -> dict:
 
     from hybrid3d.model import LlamaShape
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     shape = LlamaShape.from_hf(AutoConfig.from_pretrained(job["hf_dir"]))
     config = ds_config(job["tp"], job["pp"], job["zero"])
     config["hybrid3d"].update(job.get("hybrid", {}))  # the pipeline schedule
-    trainer = build_trainer(config, shape)  # random init, then load
+    trainer = build_trainer(validate_run(config, dist.get_world_size(), shape))  # random init, then load
     client = trainer.load(job["checkpoint"])
     steps_after_load = trainer.global_steps
     dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()

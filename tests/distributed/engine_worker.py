@@ -18,6 +18,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)
@@ -25,7 +26,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     config["hybrid3d"].update(run.get("hybrid", {}))  # sequence_parallel, context_parallel_size, ...
     if "optimizer" in run:
         config["optimizer"] = run["optimizer"]
-    trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())
+    trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
     del hf
 
     block_forwards = [0]

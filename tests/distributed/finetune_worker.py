@@ -118,13 +118,14 @@ def run_one(run: dict, model_dirs: dict, arrays: dict) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)
     config = ds_config(run["tp"], run["pp"], run["zero"], **run.get("extra", {}))
     config["optimizer"]["params"]["eps"] = OPTIM["eps"]
     config["hybrid3d"].update(run.get("hybrid", {}))
-    trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())
+    trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
     del hf
     data = samples(arrays, run["masked"])
     dp_rank, dp = trainer.groups.data_shard()

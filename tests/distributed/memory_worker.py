@@ -41,11 +41,12 @@ def measure(run: dict) -> dict:
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     shape = LlamaShape(**SHAPES[run["shape"]])
     world = dist.get_world_size()
     dp = world // (run["tp"] * run["pp"])
-    trainer = build_trainer(ds_config(run["tp"], run["pp"], dp, run["zero"], run["precision"]), shape)
+    trainer = build_trainer(validate_run(ds_config(run["tp"], run["pp"], dp, run["zero"], run["precision"]), world, shape))
     probe = PeakProbe(trainer.engine)
     generator = torch.Generator().manual_seed(0)
 

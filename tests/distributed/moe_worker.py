@@ -129,6 +129,7 @@ def run_one(run: dict, model_dir: str) -> dict:
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.moe import Experts
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     hf = load_mixtral(model_dir)
     shape = LlamaShape.from_hf(hf.config)
@@ -136,7 +137,7 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     def build():
         config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), **run.get("extra", {}))
-        return build_trainer(config, shape, hf_state_dict=hf_state)
+        return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 
     trainer = build()
     dp_rank, dp = trainer.groups.data_shard()

@@ -22,12 +22,16 @@ def _config(run: dict) -> dict:
 
 
 def _build(run: dict, model_dir: str):
+    import deepspeed.comm as dist
+
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.layers import DecoderBlock
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
     hf = load_hf(model_dir)
-    trainer = build_trainer(_config(run), LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
+    trainer = build_trainer(validate_run(_config(run), dist.get_world_size(), LlamaShape.from_hf(hf.config)),
+                            hf_state_dict=hf.state_dict())
     forwards = [0]
     for module in trainer.module.modules():
         if isinstance(module, DecoderBlock):

@@ -59,8 +59,9 @@ def measure(run: dict, world: int) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.parallel.context_parallel import sequence_shard
     from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
 
-    trainer = build_trainer(ds_config(run["tp"], run["cp"], run["sp"], world), LlamaShape(**SHAPE))
+    trainer = build_trainer(validate_run(ds_config(run["tp"], run["cp"], run["sp"], world), world, LlamaShape(**SHAPE)))
     generator = torch.Generator().manual_seed(0)
 
     def batches():

@@ -26,7 +26,7 @@ def test_layout_derives_dp_and_names_itself():
 
 
 @pytest.mark.parametrize("world, tp, pp, needle", [
-    (6, 4, 1, "world size 6 is not divisible by tensor_parallel_size * pipeline_parallel_size = 4 * 1 = 4"),
+    (6, 4, 1, "world size 6 is not divisible by hybrid3d.tensor_parallel_size * hybrid3d.pipeline_parallel_size = 4 * 1 = 4"),
     (8, 3, 1, "= 3 * 1 = 3"),
     (4, 0, 1, "tensor_parallel_size (0)"),
 ])

@@ -1,0 +1,60 @@
+"""One validation pass: a DeepSpeed JSON, a world size and a model shape become a `ValidRun`, the only input
+`build_trainer` takes.
+
+Each rule has one owner and is checked here once, before any process group exists:
+- the DeepSpeed keys and the hybrid3d section, one key at a time: `config.run_config.parse_config`
+  (its `config.ds_checks` functions hold the combinations of keys refused, each with its line);
+- the layout for the world size (divisibility, SP needs TP, EP divides DP): `parallel.layout.ParallelLayout`;
+- the layout against the model (heads, kv heads, vocabulary, layers per stage, experts): `model.tp_plan`
+  `check_split` and `check_moe_options`, `model.pipe.check_schedule_stages`;
+- the sequence against the model's positions: below.
+The training job adds what it needs beyond a trainer (data, output folders, the checkpoint to resume):
+`training.entry.prepare`.
+"""
+
+import dataclasses
+
+from deepspeed.accelerator import get_accelerator
+
+from hybrid3d.config.run_config import RunConfig, parse_config
+from hybrid3d.config.sections import HybridSection
+from hybrid3d.errors import ConfigError
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.pipe import check_schedule_stages
+from hybrid3d.model.tp_plan import check_moe_options, check_split
+from hybrid3d.parallel.layout import ParallelLayout
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidRun:
+    """A config that passed every check for `layout`, and the shape the model is built with (the section's
+    vocabulary padding and expert capacity factor applied: what checkpoints record)."""
+
+    config: RunConfig
+    layout: ParallelLayout
+    shape: LlamaShape
+
+
+def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | None = None,
+                 hybrid: HybridSection | None = None) -> ValidRun:
+    """`raw`: the DeepSpeed JSON with its "hybrid3d" section; `on_cpu`: None asks DeepSpeed's accelerator;
+    `hybrid`: that section if the caller already parsed it (entry.prepare reads the model from it first).
+    Raises a `UserError` naming the key."""
+    if on_cpu is None:
+        on_cpu = get_accelerator().device_name() == "cpu"
+    config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu, hybrid=hybrid)
+    hybrid = config.hybrid
+    layout = config.layout
+    shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple)
+    if hybrid.expert_capacity_factor is not None:
+        shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
+    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
+    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
+                      pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
+                      use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
+                      document_mask=hybrid.data.document_mask)
+    check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
+    if hybrid.data.seq_length > shape.max_position_embeddings:
+        raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "
+                          f"max_position_embeddings ({shape.max_position_embeddings})")
+    return ValidRun(config, layout, shape)
