@@ -157,6 +157,14 @@ def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
     turn_off_pipe_partitioning(ds, f"{key}={schedule!r}")
 
 
+def check_evaluation(hybrid: HybridSection) -> None:
+    """An evaluation schedule needs data to evaluate on (checked with the config, so a shipped recipe that
+    lacks it fails its test, not its first launch)."""
+    if hybrid.train.eval_interval and not (hybrid.data.eval_path or hybrid.data.eval_fraction):
+        raise ConfigError(f"{SECTION}.train.eval_interval needs {SECTION}.data.eval_path or "
+                          f"{SECTION}.data.eval_fraction")
+
+
 def check_document_mask(hybrid: HybridSection) -> None:
     """`data.document_mask` sends each token's position between pipeline stages with the hidden states; the
     1F1B engine is tested with it (tests/distributed/test_finetune.py), the other schedules and pipeline_zero2

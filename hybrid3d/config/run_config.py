@@ -9,6 +9,7 @@ from hybrid3d.config.ds_checks import (
     check_expert_parallel,
     check_checkpoint_engine,
     check_document_mask,
+    check_evaluation,
     check_nonfinite_policy,
     check_pipeline_schedule,
     check_pipeline_zero2,
@@ -93,6 +94,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     ds["train_batch_size"] *= layout.cp  # DeepSpeed's replicas: d·c (RunConfig docstring)
     check_pipeline_schedule(ds, hybrid)
     check_document_mask(hybrid)
+    check_evaluation(hybrid)
     check_zero_and_precision(ds, layout.pp, hybrid.pipeline_zero2)
     check_pipeline_zero2(ds, hybrid)
     check_expert_parallel(ds, hybrid)

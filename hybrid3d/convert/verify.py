@@ -45,7 +45,6 @@ def main(argv=None) -> int:
 
 
 def _verify(args) -> int:
-    import deepspeed
     import deepspeed.comm as dist
     import torch
     import torch.nn.functional as F
@@ -56,6 +55,7 @@ def _verify(args) -> int:
     from hybrid3d.errors import UserError
     from hybrid3d.parallel.layout import ParallelLayout
     from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
+    from hybrid3d.parallel.world import start_world
     from hybrid3d.training.trainer import build_trainer
     from hybrid3d.training.validation import validate_run
 
@@ -68,7 +68,7 @@ def _verify(args) -> int:
     pad = args.vocab_pad_multiple or checkpoint.section.get("vocab_pad_multiple", 128)
     shape = LlamaShape.from_hf(config, vocab_pad_multiple=pad)
     if not dist.is_initialized():
-        deepspeed.init_distributed()
+        start_world()  # this rank's device first
     layout = ParallelLayout.for_world(dist.get_world_size(), checkpoint.tp, checkpoint.pp)
     ep = checkpoint.expert_parallel_size
     ds_config = {

@@ -1,12 +1,33 @@
-"""Ending a run's process groups while its world goes on (the tests' pooled worlds run many runs in one).
+"""The process groups a run makes: how long they wait, and ending them while the world goes on (the tests'
+pooled worlds run many runs in one).
 
 Each run builds its TP/PP/DP/CP/EP groups (and DeepSpeed builds its own); nothing destroys them when the run
-ends, and on gloo every group keeps a receive loop and a TCP loop thread per process: ~700 threads per rank
-after the distributed tests (counted with `ps -L`). `release_process_groups` destroys every group but the
-world's and empties the registries of DeepSpeed 0.19.8 `utils/groups.py` that point at them.
+ends. `release_process_groups` destroys every group but the world's and empties the registries of DeepSpeed
+0.19.8 `utils/groups.py` that point at them, so the next run's groups are the only ones torch knows. The
+C++ groups (on gloo, two threads each) live on while DeepSpeed's engines stay reachable after a run, which
+they do: `parallel/spawn.py` retires a world whose ranks hold too many threads.
 """
 
+from contextlib import contextmanager
+from datetime import timedelta
+
 import torch.distributed as torch_dist
+
+
+@contextmanager
+def new_groups_wait(timeout: timedelta):
+    """Inside the block every group made through `deepspeed.comm.new_group` waits `timeout` in a collective:
+    DeepSpeed's pipeline grid, its engines' and MoE groups, and hybrid3d's own all make theirs that way, and
+    DeepSpeed 0.19.8's torch backend (`comm/torch.py` `new_group`) passes no timeout, so torch's default
+    (10 minutes on NCCL, 30 on gloo) would hold instead of the world's."""
+    from deepspeed.comm import comm
+
+    backend = comm.cdb
+    backend.new_group = lambda ranks: torch_dist.new_group(ranks, timeout=timeout)  # shadows the method
+    try:
+        yield
+    finally:
+        del backend.new_group
 
 
 def release_process_groups() -> int:

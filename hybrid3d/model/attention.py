@@ -75,7 +75,12 @@ class ReplicatedKVProjection(nn.Module):
 class CoreAttention(nn.Module):
     """RoPE and causal SDPA over whole sequences: (b, s, heads, d) q and (b, s, kv, d) k, v -> (b, s, heads, d).
     With `positions` (b, s) (packed documents, `masks.py`) RoPE uses each token's position in its document and
-    a token attends only within its document; SDPA then takes an explicit mask (no flash kernel on GPUs)."""
+    a token attends only within its document; SDPA then takes an explicit mask (no flash kernel on GPUs).
+
+    With a mask the kv heads are repeated to the query heads before SDPA instead of passing `enable_gqa`: on
+    GPUs the memory-efficient and cuDNN kernels take a mask but refuse `enable_gqa`, and the math kernel they
+    would fall back to upcasts to fp32 and keeps the whole (b, heads, s, s) score matrix (torch 2.13
+    `sdp_utils`). Without a mask `is_causal` with `enable_gqa` runs the flash kernel on the kv heads as they are."""
 
     def __init__(self, shape: LlamaShape):
         super().__init__()
@@ -92,10 +97,13 @@ class CoreAttention(nn.Module):
             documents = document_causal_mask(positions)  # (b, 1, s, s)
             mask = documents if mask is None else documents & mask
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        group = q.shape[1] // k.shape[1]  # query heads per kv head
+        if mask is not None and group > 1:  # (b, kv, s, d) -> (b, heads, s, d), HF's repeat_kv order
+            k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout = self.dropout if self.training else 0.0
         with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
-                                                 enable_gqa=k.shape[1] != q.shape[1])
+                                                 enable_gqa=k.shape[1] != q.shape[1])  # no mask only
         return out.transpose(1, 2)  # (b, s, heads, d)
 
 

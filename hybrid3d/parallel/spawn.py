@@ -7,8 +7,9 @@ its return value, which the caller gets back.
 Starting a world costs seconds on 2 cores (imports and the process group dominate), so a
 `WorldPool` keeps one world per size alive and runs call after call in it, the way Megatron's unit
 tests run the whole suite under one torchrun. Each call builds its own groups and engines; a call
-that fails retires its world (its ranks may be out of step) and the next call of that size starts a
-fresh one. `run_world` is one call in a world of its own. A world's shared-memory segments are
+that fails retires its world (its ranks may be out of step), and so does one after which a rank holds
+more than RETIRE_THREADS threads (the groups of earlier runs that could not be freed); the next call of
+that size starts a fresh one. `run_world` is one call in a world of its own. A world's shared-memory segments are
 removed when it ends.
 """
 
@@ -25,8 +26,21 @@ import torch.multiprocessing as mp
 from hybrid3d.ds_internals.process_groups import release_process_groups
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.parallel.threads import threads_per_rank, usable_cores
+from hybrid3d.parallel.world import start_world
 
 CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its world is retired
+# A rank with more threads than this after a call is retired with its world. DeepSpeed 0.19.8's engines stay
+# reachable after a run (their process groups with them, destroyed or not), and on gloo each group keeps two
+# threads: ~15 threads per 2-rank pipeline trainer, 600+ per rank after a module's runs (counted in
+# /proc/<pid>/task). A fresh rank has 7-60.
+RETIRE_THREADS = 200
+
+
+def _thread_count() -> int:
+    try:
+        return len(os.listdir(f"/proc/{os.getpid()}/task"))
+    except OSError:  # not Linux: no count, no retirement
+        return 0
 
 
 def free_port() -> int:
@@ -40,13 +54,7 @@ def _init_rank(rank: int, world_size: int, port: int) -> None:
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(threads_per_rank(world_size, usable_cores()))
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    backend = "nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo"
-    if backend == "nccl":
-        get_accelerator().set_device(rank)  # one GPU per rank, before any communicator exists
-    deepspeed.init_distributed(dist_backend=backend, verbose=False)
+    start_world(backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
 
 
 def _serve(rank, world_size, port, inbox, outbox):
@@ -61,11 +69,11 @@ def _serve(rank, world_size, port, inbox, outbox):
             torch.save(result, path)
             del result
             dist.barrier()  # every rank is done with the call's groups
-            release_process_groups()  # the next call builds its own (a gloo group holds two threads)
+            release_process_groups()  # the next call builds its own
             gc.collect()  # the call's engines and models, before the next call measures memory
-            outbox.put((rank, None))
+            outbox.put((rank, None, _thread_count()))
         except BaseException:  # noqa: BLE001 - reported to the caller, which retires this world
-            outbox.put((rank, traceback.format_exc()))
+            outbox.put((rank, traceback.format_exc(), 0))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -85,10 +93,11 @@ class _World:
         """Run one call on every rank; None when all succeeded, else the first failure's report."""
         for inbox, path in zip(self.inboxes, paths):
             inbox.put((fn, args, path))
+        self.threads = 0
         deadline, finished, failure = time.monotonic() + timeout, 0, None
         while finished < self.size:
             try:
-                rank, error = self.outbox.get(timeout=1.0)
+                rank, error, threads = self.outbox.get(timeout=1.0)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.ranks) if p.exitcode is not None]
                 if dead:
@@ -97,6 +106,7 @@ class _World:
                     return failure or f"the call did not finish within {timeout:.0f} s on every rank"
                 continue
             finished += 1
+            self.threads = max(self.threads, threads)
             if error is not None and failure is None:
                 failure = f"rank {rank}:\n{error}"
                 deadline = min(deadline, time.monotonic() + 30)  # the others may wait on it in a collective
@@ -135,6 +145,9 @@ class WorldPool:
             del self._worlds[world_size]
             world.close(graceful=False)
             raise RuntimeError(f"{getattr(fn, '__qualname__', fn)} failed in a world of {world_size}: {failure}")
+        if world.threads > RETIRE_THREADS:  # the next call of this size starts a fresh world
+            del self._worlds[world_size]
+            world.close(graceful=True)
         # The results are this run's own objects (dicts of tensors and plain data).
         return [torch.load(path, weights_only=False) for path in paths]
 

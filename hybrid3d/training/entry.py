@@ -99,8 +99,6 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
-    if train.eval_interval and not (data.eval_path or data.eval_fraction):
-        raise ConfigError("hybrid3d.train.eval_interval needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
     if data.path is not None and not glob.glob(data.path):
         raise ConfigError(f"hybrid3d.data.path: {data.path} does not exist")
     if data.eval_path is not None and not Path(data.eval_path).exists():

@@ -7,10 +7,8 @@ import os
 import shutil
 import time
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
-import deepspeed
 import deepspeed.comm as dist
 import numpy as np
 from deepspeed.accelerator import get_accelerator
@@ -25,6 +23,7 @@ from hybrid3d.ds_internals import pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
+from hybrid3d.parallel.world import process_group_timeout, start_world
 from hybrid3d.parallel.placement import gather_placement, placement_lines
 from hybrid3d.parallel.threads import local_ranks, set_cpu_threads
 from hybrid3d.training.output_folder import clear_previous_run
@@ -127,7 +126,7 @@ def run_job(job, eval_only: bool, rank: int) -> int:
     # The watchdog (timeout_seconds) reports a hang with the rank and step; the process group's own
     # timeout is a backstop behind it, so the clearer message wins.
     with deepspeed_prints(job.verbose):
-        deepspeed.init_distributed(timeout=timedelta(seconds=2 * job.hybrid.timeout_seconds))
+        start_world(process_group_timeout(job.hybrid.timeout_seconds))  # this rank's device first
     succeeded = False
     try:
         code = run_in_world(job, eval_only, rank)

@@ -34,6 +34,7 @@ from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_gri
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
+from hybrid3d.ds_internals.process_groups import new_groups_wait
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
@@ -43,6 +44,7 @@ from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
+from hybrid3d.parallel.world import process_group_timeout
 from hybrid3d.training.validation import ValidRun
 
 Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
@@ -231,6 +233,11 @@ def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_univ
     config = dataclasses.replace(config, ds_config=json.loads(json.dumps(config.ds_config)))  # DeepSpeed edits it
     if load_universal:
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    with new_groups_wait(process_group_timeout(config.hybrid.timeout_seconds)):  # every group DeepSpeed makes too
+        return _build(config, layout, shape, hf_state_dict)
+
+
+def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_state_dict: Optional[dict]) -> Trainer:
     groups = build_groups(layout)
     tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
     if shape.is_moe and layout.pp > 1:

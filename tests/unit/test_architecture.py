@@ -91,3 +91,13 @@ def test_every_error_class_lives_in_errors_module():
     # the two that are not the user's input: a numerical blow-up, and a rank or node that went away
     assert all(issubclass(c, hybrid3d.errors.UserError) or c.__name__ in ("NonFiniteError", "PeerLostError")
                for c in user_errors)
+
+
+def test_one_place_starts_the_world():
+    """Only parallel/world.py calls `init_distributed`, after selecting the rank's device: a launched job or
+    `hybrid3d.verify` that started the world itself would leave every rank's device at cuda:0."""
+    callers = sorted(name for name, path in modules().items() if "init_distributed(" in path.read_text()
+                     and name != "hybrid3d.parallel.world")
+    assert callers == [], callers
+    source = (PACKAGE / "parallel" / "world.py").read_text()
+    assert source.index("set_device(") < source.index("init_distributed(")

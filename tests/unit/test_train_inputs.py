@@ -13,8 +13,8 @@ from hybrid3d.config.run_config import parse_config
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.training.entry import main
+from hybrid3d.training.validation import validate_run
 from tests.launcher.harness import REPO
 from hybrid3d.model.tp_plan import check_split
 
@@ -224,9 +224,8 @@ def test_shipped_config_is_valid(name, world):
     for key, value in raw["hybrid3d"]["model"].get("config_overrides", {}).items():
         setattr(config, key, value)
     shape = LlamaShape.from_hf(config)
-    parsed = parse_config(raw, world, num_layers=shape.num_layers, on_cpu=False)
-    layout = ParallelLayout.for_world(world, parsed.tp, parsed.pp, parsed.cp, parsed.sp)
-    check_split(shape, layout.tp, layout.pp, layout.cp)
+    run = validate_run(raw, world, shape, on_cpu=False)  # every check a trainer's build relies on
+    parsed, layout = run.config, run.layout
     ds = parsed.ds_config
     assert parsed.sequences_per_step == (ds["train_micro_batch_size_per_gpu"] * ds["gradient_accumulation_steps"]
                                          * layout.dp)
