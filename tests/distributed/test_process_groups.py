@@ -19,7 +19,8 @@ def _group_timeouts(rank: int, world_size: int) -> dict:
     from hybrid3d.training.validation import validate_run
     from tests.distributed.engine_runs import ds_config
 
-    shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2)
+    shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,
+                       head_dim=8)
     config = ds_config(2, 2, 1)
     config["hybrid3d"]["timeout_seconds"] = TIMEOUT_SECONDS
     trainer = build_trainer(validate_run(config, world_size, shape))
