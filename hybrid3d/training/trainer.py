@@ -35,7 +35,6 @@ from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
-from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
 from hybrid3d.model.pipe import build_pipeline_module
@@ -227,9 +226,7 @@ def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_univ
     ran there, once, before anything is built. `load_universal`: the checkpoint this trainer will load is
     DeepSpeed's universal one (a resume at another layout), which its engine must know at initialisation.
     """
-    config, layout, shape = run.config, run.layout, run.shape
-    if dist.get_world_size() != layout.world_size:
-        raise LayoutError(f"the run was validated for {layout.world_size} ranks, this world has {dist.get_world_size()}")
+    config, layout, shape = run.config, run.layout, run.shape  # build_groups checks the world's size
     config = dataclasses.replace(config, ds_config=json.loads(json.dumps(config.ds_config)))  # DeepSpeed edits it
     if load_universal:
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True

@@ -31,8 +31,11 @@ class ValidRun:
     vocabulary padding and expert capacity factor applied: what checkpoints record)."""
 
     config: RunConfig
-    layout: ParallelLayout
     shape: LlamaShape
+
+    @property
+    def layout(self) -> ParallelLayout:
+        return self.config.layout
 
 
 def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | None = None,
@@ -57,4 +60,4 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     if hybrid.data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
-    return ValidRun(config, layout, shape)
+    return ValidRun(config, shape)
