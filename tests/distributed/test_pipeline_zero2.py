@@ -11,10 +11,8 @@ import sys
 import pytest
 import torch
 
-from hybrid3d.config.run_config import parse_config
-from hybrid3d.errors import ConfigError
 from tests.distributed import run_world
-from tests.distributed.engine_runs import STEPS, ds_config, hf_reference_run
+from tests.distributed.engine_runs import STEPS, hf_reference_run
 from tests.distributed.pipeline_zero2_worker import train_runs
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
 from tests.tiny_llama import load_hf, make_training_models, max_rel_error
@@ -212,33 +210,3 @@ def test_activation_checkpointing_keeps_the_losses(results):
     for report, base in zip(ckpt, plain):
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(base["losses"])) <= 1e-6
         assert report["forwards_per_step"] == [2 * report["blocks_on_rank"] * gas] * STEPS  # recomputed
-
-
-@pytest.mark.parametrize("edit, needle", [
-    (lambda c: c["zero_optimization"].update(stage=2),
-     "zero_optimization.stage=2 cannot run with hybrid3d.pipeline_parallel_size=2 unless "
-     "hybrid3d.pipeline_zero2=true"),
-    (lambda c: c["hybrid3d"].update(pipeline_zero2=True), "hybrid3d.pipeline_zero2 needs zero_optimization.stage=2"),
-    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True, pipeline_parallel_size=1, tensor_parallel_size=1),
-                c["zero_optimization"].update(stage=2)), "hybrid3d.pipeline_zero2 applies to"),
-    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True),
-                c["zero_optimization"].update(stage=2, offload_optimizer={"device": "cpu"})),
-     "zero_optimization.offload_optimizer is not supported with hybrid3d.pipeline_zero2"),
-    (lambda c: c["hybrid3d"].update(pipeline_zero2_deferred_fraction=0.5),
-     "hybrid3d.pipeline_zero2_deferred_fraction needs hybrid3d.pipeline_zero2=true"),
-    (lambda c: (c["hybrid3d"].update(pipeline_zero2=True, pipeline_zero2_deferred_fraction=1.5),
-                c["zero_optimization"].update(stage=2)), "must be between 0 and 1, got 1.5"),
-])
-def test_bad_pipeline_zero2_configs_are_refused(edit, needle):
-    config = ds_config(tp=2, pp=2, zero=1)
-    edit(config)
-    with pytest.raises(ConfigError) as err:
-        parse_config(config, world_size=4, num_layers=4, on_cpu=True)
-    assert needle in str(err.value) and "\n" not in str(err.value)
-
-
-def test_opt_in_is_accepted():
-    config = ds_config(tp=1, pp=2, zero=2)
-    config["hybrid3d"].update(pipeline_zero2=True, pipeline_zero2_deferred_fraction=0.25)
-    parsed = parse_config(config, world_size=4, num_layers=4, on_cpu=True)
-    assert parsed.hybrid.pipeline_zero2 and parsed.zero_stage == 2

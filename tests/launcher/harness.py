@@ -40,8 +40,14 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 def demo_config(tmp: Path, **hybrid_edits) -> Path:
-    """The shipped CPU demo, shortened: 8 steps of 64 tokens, checkpoints and evals every 4."""
+    """The shipped CPU demo, shortened: 8 steps of 64 tokens, checkpoints and evals every 4, torch's AdamW.
+
+    torch's AdamW (`torch_adam`) instead of DeepSpeed's JIT-built one spares each rank its op load (3-6 s: the
+    builder runs cpuinfo in a subprocess); DeepSpeed's is what the README's commands run
+    (test_first_run.test_readme_hugging_face_commands_run_as_written) and is checked against torch's AdamW in
+    tests/distributed/test_engine.py::test_json_optimizer_default_adamw_matches_hf."""
     config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
+    config["optimizer"]["params"]["torch_adam"] = True
     config["scheduler"]["params"]["total_num_steps"] = STEPS
     config["scheduler"]["params"]["warmup_num_steps"] = 2
     section = config["hybrid3d"]
