@@ -4,9 +4,14 @@ pooled worlds run many runs in one).
 Each run builds its TP/PP/DP/CP/EP groups (and DeepSpeed builds its own); nothing destroys them when the run
 ends. `release_process_groups` destroys every group but the world's and empties the registries of DeepSpeed
 0.19.8 `utils/groups.py` that point at them, so the next run's groups are the only ones torch knows. The
-C++ groups (on gloo, two threads each) live on while DeepSpeed's engines stay reachable after a run, which
-they do: `parallel/spawn.py` retires a world whose ranks hold too many threads.
+C++ groups (on gloo, two threads each) live on while a DeepSpeed engine holds them, and an engine outlives its
+run: its ZeRO/bf16 optimizer's gradient-accumulation hooks live in autograd's C++ graph, out of sight of
+Python's garbage collector, and hold the optimizer and with it the engine. `destroy_engines` calls DeepSpeed's
+own `engine.destroy()` (which removes those hooks) on every engine a run left. The gloo groups' threads
+outlive even that (counted in parallel/spawn.py).
 """
+
+import gc
 
 from contextlib import contextmanager
 from datetime import timedelta
@@ -28,6 +33,21 @@ def new_groups_wait(timeout: timedelta):
         yield
     finally:
         del backend.new_group
+
+
+def destroy_engines() -> int:
+    """`destroy()` every DeepSpeed engine still alive in this process, so the collector frees it (see the module
+    docstring); returns how many. For a process that runs many runs (the pooled worlds), between runs."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    gc.collect()
+    engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
+    for engine in engines:
+        engine.destroy()
+    count = len(engines)
+    del engines
+    gc.collect()
+    return count
 
 
 def release_process_groups() -> int:

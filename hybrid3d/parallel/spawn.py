@@ -23,16 +23,16 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from hybrid3d.ds_internals.process_groups import release_process_groups
+from hybrid3d.ds_internals.process_groups import destroy_engines, release_process_groups
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.parallel.threads import threads_per_rank, usable_cores
 from hybrid3d.parallel.world import start_world
 
 CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its world is retired
-# A rank with more threads than this after a call is retired with its world. DeepSpeed 0.19.8's engines stay
-# reachable after a run (their process groups with them, destroyed or not), and on gloo each group keeps two
-# threads: ~15 threads per 2-rank pipeline trainer, 600+ per rank after a module's runs (counted in
-# /proc/<pid>/task). A fresh rank has 7-60.
+# A rank with more threads than this after a call is retired with its world. On gloo each process group keeps
+# two threads, and they outlive the group: with every engine of the call destroyed and every group destroyed
+# (ds_internals/process_groups.py), a rank still gains ~15 threads per TP2 x PP2 trainer (measured: 52, 98, 143
+# after three calls of three runs each, in /proc/<pid>/task), 600+ after a module's runs. A fresh rank has 7-60.
 RETIRE_THREADS = 200
 
 
@@ -69,6 +69,7 @@ def _serve(rank, world_size, port, inbox, outbox):
             torch.save(result, path)
             del result
             dist.barrier()  # every rank is done with the call's groups
+            destroy_engines()  # the engines the call left, which would keep its groups and their threads
             release_process_groups()  # the next call builds its own
             gc.collect()  # the call's engines and models, before the next call measures memory
             outbox.put((rank, None, _thread_count()))

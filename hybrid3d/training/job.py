@@ -237,8 +237,11 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
                          lambda at: saver.save(at, rng_state(), cursor.samples_consumed),
                          lambda at: save_dir / tag_for_step(at), last_saved)
     stop = StopRequest(device=get_accelerator().current_device_name())
-    with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
-        return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor)
+    try:
+        with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
+            return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor)
+    finally:
+        trainer.close()  # a caller that runs the next job in this world gets this one's groups back
 
 
 def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor) -> int:

@@ -34,7 +34,6 @@ from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_gri
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
-from hybrid3d.ds_internals.optimizer_check import zero_check_without_muon
 from hybrid3d.ds_internals.process_groups import new_groups_wait
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
@@ -71,6 +70,11 @@ class Trainer:
     @property
     def global_steps(self) -> int:
         return self.engine.global_steps
+
+    def close(self) -> None:
+        """Release the engine (DeepSpeed's `destroy`: its optimizer's gradient hooks, which live in autograd's C++
+        graph and would otherwise keep the engine, its process groups and their threads alive after the run)."""
+        self.engine.destroy()
 
     def router_metrics(self) -> dict:
         """A MoE model's load-balancing loss and expert loads over the last training step's global batch
@@ -273,7 +277,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     if layout.ep > 1:  # expert parameters in their own groups, partitioned by ZeRO over expert data parallelism
         parameters = split_params_into_different_moe_groups_for_optimizer({"params": parameters, "name": "dense"})
         experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
-    with experts, zero_check_without_muon(config.ds_config):
+    with experts:
         engine, _, _, _ = initialize(
             model=module,
             model_parameters=parameters,

@@ -76,6 +76,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         report["master_dtypes"] = sorted({str(t.dtype) for t in optimizer.fp32_groups_flat_partition})
         report["master_numel"] = sum(t.numel() for t in optimizer.fp32_groups_flat_partition)
     dist.barrier()
+    trainer.close()
     del trainer, optimizer
     gc.collect()
     return report
