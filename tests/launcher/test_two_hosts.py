@@ -3,8 +3,8 @@ on node0, pdsh reaching node0 and node1 over ssh (two network namespaces with th
 `two_hosts.py`). This proves what `test_multinode.py` (one launcher per node, `--no_ssh`) cannot: that the job
 runs as DeepSpeed's multi-node runner starts it, with only the variables the runner exports and `.deepspeed_env`
 carries reaching the remote ranks, gloo talking across a real link between two addresses, and each rank on the
-host the hostfile gives it. The 4-rank TP2xPP2 demo must train exactly like the single-host run and resume
-from its step-4 checkpoint exactly.
+host the hostfile gives it. The 4-rank TP2xPP2 demo must train exactly like the single-host run (its resume
+across nodes is test_multinode.py's).
 
 Slow like every test in tests/launcher (tests/conftest.py marks the folder). Skips only without root, without
 network namespaces, or when sshd/pdsh are missing and cannot be installed.
@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.harness import (REPO, TRAIN, _port, config_copy, copy_checkpoint, launch_env, launcher_env_by_rank,
-                                    read_metrics)
+from tests.launcher.harness import REPO, TRAIN, _port, config_copy, launch_env, launcher_env_by_rank, read_metrics
 from tests.launcher.two_hosts import ADDRS, IFNAME, NAMES, TwoHosts, missing_requirement
 
 HOSTFILE = "".join(f"{name} slots=2\n" for name in NAMES)
@@ -69,7 +68,7 @@ def launch_pdsh(hosts: TwoHosts, cwd: Path, *overrides: str, timeout: int = 600)
     return proc.returncode, output
 
 
-def test_pdsh_launch_across_two_hosts_trains_like_one_host_and_resumes(hosts, uninterrupted, tmp_path):
+def test_pdsh_launch_across_two_hosts_trains_like_one_host(hosts, uninterrupted, tmp_path):
     cwd = job_dir(tmp_path, uninterrupted)
     code, output = launch_pdsh(hosts, cwd)
     assert code == 0, output[-4000:]
@@ -81,11 +80,5 @@ def test_pdsh_launch_across_two_hosts_trains_like_one_host_and_resumes(hosts, un
     assert [(p["stage"], p["tp"]) for p in places] == [(0, 0), (0, 1), (1, 0), (1, 1)]  # TP inside, PP across
     # the same losses as the single-host run, to the bit (fp32; the same ranks do the same work)
     assert [m["loss"] for m in read_metrics(cwd / "run")] == [m["loss"] for m in uninterrupted["metrics"]]
-
-    # resume on both hosts from a copy of the step-4 checkpoint: steps 5-8 again, exactly
-    resumed = cwd / "resumed"
-    copy_checkpoint(cwd / "run", "global_step4", resumed)
-    code, output = launch_pdsh(hosts, cwd, "--train.output_dir", str(resumed), "--checkpoint.load", "latest",
-                               "--train.steps", "8")
-    assert code == 0, output[-4000:]
-    assert [m["loss"] for m in read_metrics(resumed)] == [m["loss"] for m in uninterrupted["metrics"][4:]]
+    # A resume across the two hosts is not launched again here: it loads the same files in the same 2 x 2 placement
+    # as test_multinode.py's resume on two nodes, which checks it to the bit.
