@@ -64,6 +64,7 @@ def test_commit_checks_every_ranks_files_and_makes_each_step_durable(tmp_path, m
     import pytest
 
     from hybrid3d.checkpoint import commit as commit_module
+    from hybrid3d.checkpoint import files as files_module
     from hybrid3d.checkpoint.commit import commit, prepare_staging
     from hybrid3d.errors import CheckpointError
 
@@ -79,13 +80,14 @@ def test_commit_checks_every_ranks_files_and_makes_each_step_durable(tmp_path, m
 
     synced = []
     real_file, real_dir = commit_module.fsync_file, commit_module.fsync_dir
-    monkeypatch.setattr(commit_module, "fsync_file", lambda p: synced.append(("file", os.path.basename(p))) or
-                        real_file(p))
+    for module in (commit_module, files_module):  # the manifest is written (and fsync'ed) by files.write_meta
+        monkeypatch.setattr(module, "fsync_file", lambda p: synced.append(("file", os.path.basename(p))) or
+                            real_file(p))
     monkeypatch.setattr(commit_module, "fsync_dir", lambda p: synced.append(("dir", os.path.basename(p))) or
                         real_dir(p))
     commit(tmp_path, "global_step8", {str(shard): 10})
-    assert synced == [("dir", "global_step8.incomplete"), ("dir", tmp_path.name), ("file", ".latest.tmp"),
-                      ("dir", tmp_path.name)]
+    assert synced == [("file", ".hybrid3d.json.tmp"), ("dir", "global_step8.incomplete"), ("dir", tmp_path.name),
+                      ("file", ".latest.tmp"), ("dir", tmp_path.name)]
     assert (tmp_path / "latest").read_text() == "global_step8"
 
 

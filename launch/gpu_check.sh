@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# The one-shot GPU check (issue: the first run on a GPU node), as one `device run`:
+#   bash launch/gpu_wheels.sh                        # here, once: .wheels/ with what the GPU machine lacks
+#   device run: bash launch/gpu_check.sh  (carry [".wheels"], timeout_s 540)
+#   bash launch/gpu_check.sh --cpu                   # here: the same steps on the CPU accelerator, tiny shapes
+# Installs the carried wheels and this checkout, records the machine, then runs the GPU tier (tests/gpu: the
+# layout matrix against HF on the GPUs present, a shrunk GPU recipe through the real launcher, verify, resume)
+# and benchmarks/mfu.py; every result lands under $OUT (default gpu_check_out/), each step's exit code in
+# $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_check_out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+PY=${PYTHON:-python3}
+CPU=0
+if [ "${1:-}" = "--cpu" ]; then CPU=1; export HYBRID3D_GPU_TESTS_ON_CPU=1; fi
+
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to $OUT/NAME.txt, its exit code to steps.txt
+  local name=$1 limit=$2; shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  local rc=$?
+  echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
+}
+
+: >"$OUT/steps.txt"
+if [ -d .wheels ]; then
+  step install 180 $PY -m pip install --no-index --find-links .wheels .wheels/*.whl
+fi
+step install_hybrid3d 120 $PY -m pip install --no-index --no-deps --no-build-isolation -e .
+$PY -c "import hybrid3d" 2>/dev/null || export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+{
+  date -u
+  echo "commit: $(git rev-parse HEAD 2>/dev/null || cat .commit 2>/dev/null || echo unknown)"
+  uname -a; nproc; free -g | head -2
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv
+  $PY -c "import sys, torch, deepspeed, transformers; print(sys.version.split()[0], 'torch', torch.__version__,
+'cuda', torch.version.cuda, 'devices', torch.cuda.device_count(), 'deepspeed', deepspeed.__version__,
+'transformers', transformers.__version__)"
+} >"$OUT/machine.txt" 2>&1
+
+step pytest_gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
+if [ $CPU = 1 ]; then
+  step mfu 240 $PY benchmarks/mfu.py --smoke --out "$OUT/mfu"
+else  # torch's fused AdamW: DeepSpeed's would JIT-build for a minute of the lease first
+  step mfu 240 $PY benchmarks/mfu.py --optimizer torch-fused --repeats 2 --steps 4 --out "$OUT/mfu"
+fi
+cat "$OUT/steps.txt"
