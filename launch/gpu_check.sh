@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one-shot GPU check (issue: the first run on a GPU node), as one `device run`:
 #   bash launch/gpu_wheels.sh                        # here, once: .wheels/ with what the GPU machine lacks
+#   git rev-parse HEAD > .commit                     # here: the copy the GPU machine gets has no .git
 #   device run: bash launch/gpu_check.sh  (carry [".wheels"], timeout_s 540)
 #   bash launch/gpu_check.sh --cpu                   # here: the same steps on the CPU accelerator, tiny shapes
 # Installs the carried wheels and this checkout, records the machine, then runs the GPU tier (tests/gpu: the
