@@ -22,6 +22,7 @@ PEAK_BF16_TFLOPS = {
     "H100 PCIe": 756.0,
     "H100 NVL": 835.0,
     "H100": 989.4,
+    "H200 NVL": 835.0,  # the PCIe card: 1,671 TFLOP/s with sparsity on its data sheet
     "H200": 989.4,
     "H800": 989.4,
     "A100": 312.0,

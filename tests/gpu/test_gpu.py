@@ -1,4 +1,4 @@
-"""GPU tests (CUDA + NCCL), `python -m pytest -m gpu`: the layout matrix against HF on the GPUs the
+"""GPU tests (CUDA + NCCL), `python -m pytest -m gpu tests/gpu`: the layout matrix against HF on the GPUs the
 machine has, a GPU recipe shrunk to fit, `hybrid3d.verify` on a converted checkpoint, save and
 resume. Skipped with a reason where there is no CUDA device. HYBRID3D_GPU_TESTS_ON_CPU=1 runs the
 same code on the CPU accelerator (gloo), to check the tests themselves on a machine without GPUs.
@@ -17,7 +17,7 @@ import torch
 from tests.distributed import run_world
 from tests.distributed.engine_runs import STEPS, hf_reference_run
 from tests.distributed.engine_worker import train_runs
-from tests.launcher.harness import REPO, launch_env, read_metrics
+from tests.launcher.harness import REPO, deepspeed_launcher, launch_env, read_metrics
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, update_excess
 from tests.tiny_llama import load_hf, make_hf_llama, make_training_models, max_rel_error
 
@@ -53,8 +53,11 @@ def gpu_runs():
 
 
 def accelerator_env():
+    """The launched processes' environment: the accelerator, and this checkout importable from any folder (the
+    verify test runs `--module hybrid3d.verify` from a temporary one; a GPU machine's copy may not be installed)."""
     env = launch_env()
     env["DS_ACCELERATOR"] = ACCELERATOR
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
     return env
 
 
@@ -130,8 +133,7 @@ def shrunk_recipe(tmp: Path, steps: int, **train) -> Path:
 
 
 def deepspeed(*args, cwd: Path):
-    launcher = Path(sys.executable).with_name("deepspeed")
-    return subprocess.run([str(launcher), "--num_gpus", str(DEVICES), *map(str, args)], capture_output=True,
+    return subprocess.run([*deepspeed_launcher(), "--num_gpus", str(DEVICES), *map(str, args)], capture_output=True,
                           text=True, cwd=cwd, env=accelerator_env(), timeout=900)
 
 

@@ -12,9 +12,15 @@ STEPS = 8  # steps of the shortened demo run
 TRAIN = REPO / "launch" / "train.py"
 
 
+def deepspeed_launcher() -> list[str]:
+    """DeepSpeed's `deepspeed` command: the script pip put next to this interpreter, else the same runner as a
+    module (pip may put scripts elsewhere, e.g. /usr/local/bin beside /usr/bin/python3 on a GPU machine)."""
+    script = Path(sys.executable).with_name("deepspeed")
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "deepspeed.launcher.runner"]
+
+
 def deepspeed_command(num_gpus: int, config: Path, *overrides: str) -> list[str]:
-    launcher = Path(sys.executable).with_name("deepspeed")
-    return [str(launcher), "--num_gpus", str(num_gpus), "--master_port", str(_port()), str(TRAIN),
+    return [*deepspeed_launcher(), "--num_gpus", str(num_gpus), "--master_port", str(_port()), str(TRAIN),
             "--deepspeed_config", str(config), *overrides]
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.launcher.harness import REPO, TRAIN, deepspeed_command, demo_config, launch_env
+from tests.launcher.harness import REPO, TRAIN, deepspeed_command, deepspeed_launcher, demo_config, launch_env
 
 
 def python_env() -> dict:
@@ -176,7 +176,7 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path):
     for command in commands:
         argv = shlex.split(command.split("#")[0])
         if argv[0] == "deepspeed":
-            argv = [str(Path(sys.executable).with_name("deepspeed")), "--master_port", str(free_port()), *argv[1:]]
+            argv = [*deepspeed_launcher(), "--master_port", str(free_port()), *argv[1:]]
         elif argv[0] == "python":
             argv[0] = sys.executable
         if "launch/train.py" in argv:

@@ -5,20 +5,19 @@ run of the same layout, end when a node dies, and resume across them."""
 
 import json
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.launcher.harness import STEPS, TRAIN, _port, config_copy, launch_env, launcher_env_by_rank, read_metrics
+from tests.launcher.harness import (STEPS, TRAIN, _port, config_copy, deepspeed_launcher, launch_env,
+                                    launcher_env_by_rank, read_metrics)
 
 HOSTFILE = "node0 slots=2\nnode1 slots=2\n"
 
 
 def per_node_commands(config: Path, hostfile: Path, *overrides: str) -> list[list[str]]:
     """The command each node runs: the same rendezvous (rank 0's address and port) and its own --node_rank."""
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
     port = str(_port())
-    return [[launcher, "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
+    return [[*deepspeed_launcher(), "--hostfile", str(hostfile), "--no_ssh", "--node_rank", str(node), "--master_addr",
              "127.0.0.1", "--master_port", port, str(TRAIN), "--deepspeed_config", str(config), *overrides]
             for node in (0, 1)]
 

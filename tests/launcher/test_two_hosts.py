@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.harness import REPO, TRAIN, _port, config_copy, launch_env, launcher_env_by_rank, read_metrics
+from tests.launcher.harness import (REPO, TRAIN, _port, config_copy, deepspeed_launcher, launch_env, launcher_env_by_rank,
+                                    read_metrics)
 from tests.launcher.two_hosts import ADDRS, IFNAME, NAMES, TwoHosts, missing_requirement
 
 HOSTFILE = "".join(f"{name} slots=2\n" for name in NAMES)
@@ -51,8 +52,7 @@ def job_dir(tmp: Path, uninterrupted) -> Path:
 
 def launch_pdsh(hosts: TwoHosts, cwd: Path, *overrides: str, timeout: int = 600) -> tuple[int, str]:
     """`deepspeed --hostfile` on node0, in `cwd` (the remote ranks `cd` to the same path: a shared file system)."""
-    launcher = str(Path(sys.executable).with_name("deepspeed"))
-    cmd = [launcher, "--hostfile", str(cwd / "hostfile"), "--no_ssh_check", "--master_addr", ADDRS[0],
+    cmd = [*deepspeed_launcher(), "--hostfile", str(cwd / "hostfile"), "--no_ssh_check", "--master_addr", ADDRS[0],
            "--master_port", str(_port()), "--launcher", "pdsh", str(TRAIN),
            "--deepspeed_config", str(cwd / "config.json"), *overrides]
     # pdsh runs `ssh <PDSH_SSH_ARGS_APPEND> host cmd`; DeepSpeed keeps the variable (it only adds -p for --ssh_port)

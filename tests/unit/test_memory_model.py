@@ -78,6 +78,8 @@ def test_flops_match_torch_flop_counter():
 def test_peak_lookup():
     assert peak_tflops("NVIDIA H100 80GB HBM3") == pytest.approx(989.4)
     assert peak_tflops("NVIDIA H100 PCIe") == pytest.approx(756.0)
+    assert peak_tflops("NVIDIA H200") == pytest.approx(989.4)
+    assert peak_tflops("NVIDIA H200 NVL") == pytest.approx(835.0)  # not the SXM part's peak
     assert peak_tflops("NVIDIA A100-SXM4-80GB") == pytest.approx(312.0)
     assert peak_tflops("cpu") is None
     assert peak_tflops("cpu", override=2.5) == 2.5
