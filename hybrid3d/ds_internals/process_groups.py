@@ -12,7 +12,6 @@ outlive even that (counted in parallel/spawn.py).
 """
 
 import gc
-
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -36,18 +35,14 @@ def new_groups_wait(timeout: timedelta):
 
 
 def destroy_engines() -> int:
-    """`destroy()` every DeepSpeed engine still alive in this process, so the collector frees it (see the module
-    docstring); returns how many. For a process that runs many runs (the pooled worlds), between runs."""
+    """`destroy()` every DeepSpeed engine still alive in this process, so the next garbage collection frees it (see
+    the module docstring); returns how many. For a process that runs many runs (the pooled worlds), between runs."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    gc.collect()
     engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
     for engine in engines:
         engine.destroy()
-    count = len(engines)
-    del engines
-    gc.collect()
-    return count
+    return len(engines)
 
 
 def release_process_groups() -> int:

@@ -71,7 +71,7 @@ def _serve(rank, world_size, port, inbox, outbox):
             dist.barrier()  # every rank is done with the call's groups
             destroy_engines()  # the engines the call left, which would keep its groups and their threads
             release_process_groups()  # the next call builds its own
-            gc.collect()  # the call's engines and models, before the next call measures memory
+            gc.collect()  # the call's engines (destroyed above) and models, before the next call measures memory
             outbox.put((rank, None, _thread_count()))
         except BaseException:  # noqa: BLE001 - reported to the caller, which retires this world
             outbox.put((rank, traceback.format_exc(), 0))

@@ -186,23 +186,31 @@ def test_nan_with_stop_policy_stops_without_saving_it(tmp_path):
     assert (checkpoints / "latest").read_text() == "global_step2" and not (checkpoints / "global_step3").exists()
 
 
-def commit_killed_at(phase: str, save_dir: Path, tag: str, keep_last: int, step: int) -> None:
-    """What rank 0 does after every rank saved (checkpoint/saver.py: the commit of `tag`, then the pruning), in a
-    forked child that kills itself -9 at `phase` (the faults of tests/launcher/faults)."""
-    from hybrid3d.checkpoint import commit, files
-    from tests.launcher.faults.fault_patches import patch_commit, patch_prune
-
+def killed_in_child(work, what: str) -> None:
+    """`work(die)` in a forked child of this process, `die(reason)` killing the child -9 where a fault fires (the
+    faults of tests/launcher/faults): the state a process killed there leaves, with no test code run after it."""
     pid = os.fork()
-    if pid == 0:  # the child: no test code runs after the fault
+    if pid == 0:
         try:
-            die = lambda reason: os.kill(os.getpid(), signal.SIGKILL)  # noqa: E731
-            patch_prune(files, die) if phase == "prune" else patch_commit(commit, phase, tag, die)
-            commit.commit(save_dir, tag)
-            files.prune_checkpoints(save_dir, keep_last, step)
+            work(lambda reason: os.kill(os.getpid(), signal.SIGKILL))
         finally:
             os._exit(3)  # reached only if the fault never fired
     _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the fault at {phase} never fired"
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, f"the fault {what} never fired"
+
+
+def commit_killed_at(phase: str, save_dir: Path, tag: str, keep_last: int, step: int) -> None:
+    """What rank 0 does after every rank saved (checkpoint/saver.py: the commit of `tag`, then the pruning), killed
+    -9 at `phase`."""
+    from hybrid3d.checkpoint import commit, files
+    from tests.launcher.faults.fault_patches import patch_commit, patch_prune
+
+    def work(die):
+        patch_prune(files, die) if phase == "prune" else patch_commit(commit, phase, tag, die)
+        commit.commit(save_dir, tag)
+        files.prune_checkpoints(save_dir, keep_last, step)
+
+    killed_in_child(work, f"at {phase}")
 
 
 @pytest.mark.parametrize("phase, latest", [("manifest", "global_step4"), ("rename", "global_step4"),
@@ -252,21 +260,16 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
 
 
 def conversion_killed(plan, into: Path) -> None:
-    """rank 0's universal conversion of `plan` into `into` (checkpoint/universal.py), in a forked child that kills
-    itself -9 after DeepSpeed's converter ran and before the result is marked complete (the fault of
-    tests/launcher/faults): the state a rank killed there leaves."""
+    """rank 0's universal conversion of `plan` into `into` (checkpoint/universal.py), killed -9 after DeepSpeed's
+    converter ran and before the result is marked complete."""
     from hybrid3d.checkpoint import universal
     from tests.launcher.faults.fault_patches import patch_universal
 
-    pid = os.fork()
-    if pid == 0:  # the child: no test code runs after the fault
-        try:
-            patch_universal(universal, lambda reason: os.kill(os.getpid(), signal.SIGKILL))
-            universal.convert_to_universal(plan, into=into)
-        finally:
-            os._exit(3)  # reached only if the fault never fired
-    _, status = os.waitpid(pid, 0)
-    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, "the fault in the conversion never fired"
+    def work(die):
+        patch_universal(universal, die)
+        universal.convert_to_universal(plan, into=into)
+
+    killed_in_child(work, "in the conversion")
 
 
 def test_kill_9_during_the_universal_conversion_is_redone(uninterrupted, tmp_path):

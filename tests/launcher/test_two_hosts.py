@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.launcher.harness import (REPO, TRAIN, _port, config_copy, deepspeed_launcher, launch_env, launcher_env_by_rank,
-                                    read_metrics)
+from tests.launcher.harness import (REPO, TRAIN, _port, config_copy, deepspeed_launcher, launch_env,
+                                    launcher_env_by_rank, read_metrics)
 from tests.launcher.two_hosts import ADDRS, IFNAME, NAMES, TwoHosts, missing_requirement
 
 HOSTFILE = "".join(f"{name} slots=2\n" for name in NAMES)
