@@ -9,9 +9,11 @@ final norm drops them) and a mixture-of-experts model's routing statistics (moe.
 final norm and head carry them to the loss).
 """
 
+import random
 from typing import Optional
 
-from deepspeed.runtime.utils import set_random_seed
+import numpy as np
+import torch
 from torch import nn
 
 from hybrid3d.model.activations import join_activations, split_activations
@@ -121,6 +123,19 @@ def layer_kwargs(cls: type, cp: Optional[ContextParallelGroup], ep: Optional[Exp
     return {**({"cp": cp} if cp is not None else {}), **({"ep": ep} if ep is not None else {})}
 
 
+def seed_layer(seed: int) -> None:
+    """Seed what draws a layer's initial weights: Python's and numpy's generators (as DeepSpeed's
+    `set_random_seed`, which PipelineModule's `seed_layers` calls) and torch's host generator, where layers are
+    built; the accelerator's generators only where one is present. `torch.manual_seed` on a machine without CUDA
+    queues a lazy CUDA, XPU and MTIA seeding, each with a formatted stack (~6 ms per layer, kept for the life of
+    the process)."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
 def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
                  seed: Optional[int] = None, cp: Optional[ContextParallelGroup] = None,
                  ep: Optional[ExpertParallelGroup] = None) -> list[nn.Module]:
@@ -130,6 +145,6 @@ def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=
     layers = []
     for index, cls in enumerate(layer_classes(shape)):
         if seed is not None:
-            set_random_seed(seed + index)
+            seed_layer(seed + index)
         layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, cp, ep)))
     return layers

@@ -10,13 +10,13 @@ import functools
 from functools import lru_cache
 
 from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
-from deepspeed.runtime.utils import partition_balanced, set_random_seed
+from deepspeed.runtime.utils import partition_balanced
 
 from hybrid3d.ds_internals.interleaved_pipeline import InterleavedPipelineModule
 from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
-from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, tied_lm_logits
+from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, seed_layer, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
@@ -64,7 +64,7 @@ def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: Context
 
 def _seed_layer(seed) -> None:
     # `type:` partitioning yields numpy stage bounds, and `random.seed` rejects numpy integers.
-    set_random_seed(int(seed))
+    seed_layer(int(seed))
 
 
 def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorParallelGroup, *, seed: int,
