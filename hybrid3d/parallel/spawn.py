@@ -57,6 +57,16 @@ def _init_rank(rank: int, world_size: int, port: int) -> None:
     start_world(backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
 
 
+def end_run() -> None:
+    """On every rank of a pooled world, between two runs (calls, or runs inside one call): free what the run left."""
+    import deepspeed.comm as dist
+
+    dist.barrier()  # every rank is done with the run's groups
+    destroy_engines()  # the engines the run left, which would keep its groups and their threads
+    release_process_groups()  # the next run builds its own
+    gc.collect()  # the run's engines (destroyed above) and models, before the next run measures memory
+
+
 def _serve(rank, world_size, port, inbox, outbox):
     """A rank of a pooled world: run each (fn, args, result path) from `inbox` until None arrives."""
     import deepspeed.comm as dist
@@ -69,10 +79,7 @@ def _serve(rank, world_size, port, inbox, outbox):
             result = fn(rank, world_size, *args)
             torch.save(result, path)
             del result
-            dist.barrier()  # every rank is done with the call's groups
-            destroy_engines()  # the engines the call left, which would keep its groups and their threads
-            release_process_groups()  # the next call builds its own
-            gc.collect()  # the call's engines (destroyed above) and models, before the next call measures memory
+            end_run()
             if not frozen:  # what the first call imported (torch, DeepSpeed, transformers: ~10^6 objects) stays
                 gc.freeze()  # out of every later collection, which then scans only what later calls make
                 frozen = True

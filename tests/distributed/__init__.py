@@ -6,9 +6,9 @@ per size, not once per module. Each world runs many checks and returns their raw
 then happen in the pytest process.
 """
 
-from hybrid3d.parallel.spawn import WorldPool, free_port
+from hybrid3d.parallel.spawn import WorldPool, end_run, free_port
 
-__all__ = ["SESSION_POOL", "free_port", "run_world", "run_worlds_by_size"]
+__all__ = ["SESSION_POOL", "each_run", "free_port", "run_world", "run_worlds_by_size"]
 
 SESSION_POOL = WorldPool()
 
@@ -29,3 +29,13 @@ def run_worlds_by_size(fn, runs: list[dict], root, *args) -> dict:
         for name in ranks[0]:
             by_name[name] = [rank[name] for rank in ranks]
     return by_name
+
+
+def each_run(runs: list[dict], one) -> dict:
+    """On a rank: {run["name"]: one(run)} for `runs` in turn, each run's engines and groups freed before the next
+    (a call of many runs would otherwise gather every run's gloo threads and retire its world)."""
+    reports = {}
+    for run in runs:
+        reports[run["name"]] = one(run)
+        end_run()
+    return reports

@@ -2,8 +2,8 @@
 
 import gc
 
-import torch
 
+from tests.distributed import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
 
@@ -83,4 +83,4 @@ def run_one(run: dict, model_dirs: dict) -> dict:
 
 
 def train_runs(rank, world_size, runs, model_dirs):
-    return {run["name"]: run_one(run, model_dirs) for run in runs}
+    return each_run(runs, lambda run: run_one(run, model_dirs))

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from tests.distributed import each_run
 from tests.distributed.engine_runs import CLIP, GLOBAL_BATCH, OPTIM, SEQ, STEPS, WARMUP, ds_config
 from tests.tiny_llama import load_hf
 
@@ -145,4 +146,4 @@ def run_one(run: dict, model_dirs: dict, arrays: dict) -> dict:
 
 
 def train_runs(rank, world_size, runs, model_dirs, arrays):
-    return {run["name"]: run_one(run, model_dirs, arrays) for run in runs}
+    return each_run(runs, lambda run: run_one(run, model_dirs, arrays))

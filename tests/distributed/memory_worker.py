@@ -5,6 +5,8 @@ import gc
 
 import torch
 
+from tests.distributed import each_run
+
 SHAPES = {
     # GQA, untied: kv heads split over TP.
     "gqa": dict(vocab_size=203, hidden_size=64, intermediate_size=128, num_layers=4, num_heads=4, num_kv_heads=2,
@@ -74,4 +76,4 @@ def measure(run: dict) -> dict:
 
 
 def measure_runs(rank, world_size, runs):
-    return {run["name"]: measure(run) for run in runs}
+    return each_run(runs, measure)

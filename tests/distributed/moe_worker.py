@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from transformers import MixtralConfig, MixtralForCausalLM
 
+from tests.distributed import each_run
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, STEPS, global_batch, micro_batches
 
 MIXTRAL = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
@@ -193,7 +194,7 @@ def run_one(run: dict, model_dir: str) -> dict:
 
 
 def moe_runs(rank, world_size, runs, model_dir):
-    reports = {run["name"]: run_one(run, model_dir) for run in runs}
+    reports = each_run(runs, lambda run: run_one(run, model_dir))
     if world_size == 2:
         reports["verify"] = verify_checkpoints(rank, model_dir)  # after the runs: it needs their checkpoints
     return reports

@@ -9,8 +9,8 @@ start from, at step `start`), `probe` (count gradient bytes during the second st
 
 import gc
 
-import torch
 
+from tests.distributed import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
 
@@ -109,4 +109,4 @@ def run_one(run: dict, model_dirs: dict, ckpt_dir: str) -> dict:
 
 
 def train_runs(rank, world_size, runs, model_dirs, ckpt_dir):
-    return {run["name"]: run_one(run, model_dirs, ckpt_dir) for run in runs}
+    return each_run(runs, lambda run: run_one(run, model_dirs, ckpt_dir))

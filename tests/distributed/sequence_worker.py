@@ -6,6 +6,8 @@ import gc
 
 import torch
 
+from tests.distributed import each_run
+
 SHAPE = dict(vocab_size=203, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=16)
 MICRO_BATCH, SEQ = 2, 64
@@ -87,4 +89,4 @@ def measure(run: dict, world: int) -> dict:
 
 
 def measure_runs(rank, world_size, runs):
-    return {run["name"]: measure(run, world_size) for run in runs}
+    return each_run(runs, lambda run: measure(run, world_size))
