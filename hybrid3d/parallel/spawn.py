@@ -72,7 +72,6 @@ def _serve(rank, world_size, port, inbox, outbox):
     import deepspeed.comm as dist
 
     _init_rank(rank, world_size, port)
-    frozen = False
     while (call := inbox.get()) is not None:
         fn, args, path = call
         try:
@@ -80,9 +79,8 @@ def _serve(rank, world_size, port, inbox, outbox):
             torch.save(result, path)
             del result
             end_run()
-            if not frozen:  # what the first call imported (torch, DeepSpeed, transformers: ~10^6 objects) stays
-                gc.freeze()  # out of every later collection, which then scans only what later calls make
-                frozen = True
+            if not gc.get_freeze_count():  # after the first call: what it imported (torch, DeepSpeed,
+                gc.freeze()  # transformers: ~5e5 objects) stays out of later collections, which scan only what's new
             outbox.put((rank, None, _thread_count()))
         except BaseException:  # noqa: BLE001 - reported to the caller, which retires this world
             outbox.put((rank, traceback.format_exc(), 0))
