@@ -6,6 +6,7 @@ user error ends every rank with one line on stderr, exit code 2, and nothing wri
 
 import argparse
 import dataclasses
+import gc
 import glob
 import os
 import sys
@@ -137,7 +138,12 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
 
 def main(argv=None) -> int:
     """A launched rank (or a plain `python launch/train.py`): the job in a world of its own."""
-    return _main(argv, in_existing_world=False)
+    code = _main(argv, in_existing_world=False)
+    # The process ends next. The interpreter's last garbage collection would scan every object torch, DeepSpeed and
+    # transformers made (~1.1 s per rank, measured with py-spy): nothing the job owns is left to finalise there (its
+    # files are closed, its world torn down), so everything alive now is exempted from that scan.
+    gc.freeze()
+    return code
 
 
 def main_in_world(argv) -> int:

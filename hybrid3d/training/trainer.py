@@ -33,6 +33,7 @@ from hybrid3d.data.packing import MicroBatch
 from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
+from hybrid3d.ds_internals.muon_import import import_muon_lazily
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
@@ -277,6 +278,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     if layout.ep > 1:  # expert parameters in their own groups, partitioned by ZeRO over expert data parallelism
         parameters = split_params_into_different_moe_groups_for_optimizer({"params": parameters, "name": "dense"})
         experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
+    import_muon_lazily()  # which DeepSpeed's optimizer set-up imports: its torch.compile calls at first use only
     with experts:
         engine, _, _, _ = initialize(
             model=module,
