@@ -30,10 +30,11 @@ from hybrid3d.parallel.world import start_world
 
 CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its world is retired
 # A rank with more threads than this after a call is retired with its world. On gloo each process group keeps
-# two threads, and they outlive the group: with every engine of the call destroyed and every group destroyed
-# (ds_internals/process_groups.py), a rank still gains ~15 threads per TP2 x PP2 trainer (measured: 52, 98, 143
-# after three calls of three runs each, in /proc/<pid>/task), 600+ after a module's runs. A fresh rank has 7-60.
-RETIRE_THREADS = 200
+# three threads (two run loops, one connection loop) while it lives, and some runs' groups outlive their run: a
+# rank of the world of 4 held 20-32 threads after each of six engine runs (freed between runs), but 353 after the
+# ~45 runs of test_convert and test_engine, 215 after test_moe's. Idle threads cost a rank nothing but memory;
+# starting a world of 4 costs ~10 s on 2 cores, which a bound of 200 paid three more times per suite.
+RETIRE_THREADS = 1000
 
 
 def _thread_count() -> int:
