@@ -30,11 +30,12 @@ from hybrid3d.parallel.world import start_world
 
 CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its world is retired
 # A rank with more threads than this after a call is retired with its world. On gloo each process group keeps
-# three threads (two run loops, one connection loop) while it lives, and some runs' groups outlive their run: a
-# rank of the world of 4 held 20-32 threads after each of six engine runs (freed between runs), but 353 after the
-# ~45 runs of test_convert and test_engine, 215 after test_moe's. Idle threads cost a rank nothing but memory;
-# starting a world of 4 costs ~10 s on 2 cores, which a bound of 200 paid three more times per suite.
-RETIRE_THREADS = 1000
+# three threads (two run loops, one connection loop) while it lives. Most runs free theirs, but a pipeline's last
+# stage keeps ~15 more after each pipeline run (measured rank by rank over test_engine's 39 runs in the world of 4:
+# rank 0 ended at 74 threads, rank 3 at 352; no Python object holds those groups by then). Idle threads cost little,
+# yet the same 39 runs took 54 s in a world at 352-698 threads and 74 s at 698-1000; starting a world of 4 costs
+# ~10 s on 2 cores, which a bound of 200 paid three more times per suite.
+RETIRE_THREADS = 600
 
 
 def _thread_count() -> int:
