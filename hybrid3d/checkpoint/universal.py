@@ -10,13 +10,12 @@ import json
 import os
 import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 from deepspeed.checkpoint import constants as uc
 
 from hybrid3d.checkpoint.files import META_FILE
+from hybrid3d.ds_internals.universal_convert import run_ds_to_universal
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.model.tp_plan import REPLICATED, ROW, VOCAB
@@ -71,10 +70,7 @@ def convert_to_universal(plan, into: Path | None = None) -> Path:
         if stale.exists():
             shutil.rmtree(stale)
     staging.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-                    "--input_folder", str(source), "--output_folder", str(staging),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1"],
-                   check=True, stdout=subprocess.DEVNULL)
+    run_ds_to_universal(source, staging)
     (staging / UNIVERSAL_MARKER).write_text(json.dumps({"source": wanted, "tag": plan.tag}))
     try:
         os.replace(staging, output)

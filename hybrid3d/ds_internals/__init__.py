@@ -7,7 +7,8 @@ pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in memory_pr
 and the engine's MoE detection in experts.py, the backward pass of tuple-output stages in tuple_backward.py,
 the checkpoint engine's file writes in durable_save.py, the CPU shared-memory segments in shm_buffers.py,
 the process groups and engines a run leaves behind in process_groups.py, the Muon module's import-time
-`torch.compile` deferred to first use in muon_import.py,
+`torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
+universal_convert.py,
 PipelineModule's stage bounds below), so they are written and tested against one version:
 `check_deepspeed_version()` turns any other into one line at start-up.
 """

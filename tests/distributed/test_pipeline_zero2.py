@@ -5,12 +5,10 @@ the deferred-reduction knob) and 8 ranks (TP2xPP2xDP2, and the 4-rank checkpoint
 through DeepSpeed's universal checkpoint).
 """
 
-import subprocess
-import sys
-
 import pytest
 import torch
 
+from hybrid3d.ds_internals.universal_convert import run_ds_to_universal
 from tests.distributed import run_world
 from tests.distributed.engine_runs import STEPS, hf_reference_run
 from tests.distributed.pipeline_zero2_worker import train_runs
@@ -69,9 +67,7 @@ def results(tmp_path_factory):
     by_rank = {}
     ranks = run_world(train_runs, 4, str(root / "world4"), WORLD4, model_dirs, str(ckpt))
     by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in WORLD4})
-    subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
-                    str(ckpt / "Z2-PP2-DP2"), "--output_folder", str(ckpt / UNIVERSAL_TAG),
-                    "--num_extract_workers", "1", "--num_merge_workers", "1"], check=True, capture_output=True)
+    run_ds_to_universal(ckpt / "Z2-PP2-DP2", ckpt / UNIVERSAL_TAG)
     world8 = [dict(r, load=(str(ckpt), UNIVERSAL_TAG)) if "start" in r else r for r in WORLD8]
     ranks = run_world(train_runs, 8, str(root / "world8"), world8, model_dirs, str(ckpt))
     by_rank.update({r["name"]: [rank[r["name"]] for rank in ranks] for r in WORLD8})

@@ -28,7 +28,6 @@ def test_a_killed_or_stale_universal_conversion_is_not_reused(tmp_path, monkeypa
     """`convert_to_universal` reuses `<tag>_universal` only when its marker names the tag's contents: a folder
     left by a killed conversion (no marker) or converted from another branch's tag of the same name is redone."""
     import json
-    import subprocess
 
     from hybrid3d.checkpoint import universal
     from hybrid3d.checkpoint.resume import ResumePlan
@@ -38,13 +37,11 @@ def test_a_killed_or_stale_universal_conversion_is_not_reused(tmp_path, monkeypa
     (tag / "hybrid3d.json").write_text(json.dumps({"step": 4, "branch": "a"}))
     runs = []
 
-    def fake_ds_to_universal(cmd, **kwargs):  # stands in for DeepSpeed's converter: writes its zero/ folder
-        out = cmd[cmd.index("--output_folder") + 1]
-        runs.append(out)
-        (tmp_path / out).joinpath("zero").mkdir(parents=True)
-        return subprocess.CompletedProcess(cmd, 0)
+    def fake_ds_to_universal(source, output):  # stands in for DeepSpeed's converter: writes its zero/ folder
+        runs.append(str(output))
+        (tmp_path / output).joinpath("zero").mkdir(parents=True)
 
-    monkeypatch.setattr(universal.subprocess, "run", fake_ds_to_universal)
+    monkeypatch.setattr(universal, "run_ds_to_universal", fake_ds_to_universal)
     plan = ResumePlan(load_dir=tmp_path, tag="global_step4", meta={}, universal=True, module_only=False)
     killed = tmp_path / "global_step4_universal"
     (killed / "zero").mkdir(parents=True)  # what a killed run of the old code left: zero/ but no marker

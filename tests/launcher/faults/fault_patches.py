@@ -84,17 +84,11 @@ def patch_prune(files, stop):
 def patch_universal(universal, stop):
     """The universal conversion (checkpoint/universal.py): DeepSpeed's converter has run, the result is neither
     marked nor renamed into place."""
-    real = universal.subprocess
+    real = universal.run_ds_to_universal
 
-    class Subprocess:  # the module, with `run` stopping after it returns
-        def __getattr__(self, name):
-            return getattr(real, name)
+    def converted_then_stopped(*args, **kwargs):
+        real(*args, **kwargs)
+        stop("universal")
 
-        @staticmethod
-        def run(*args, **kwargs):
-            result = real.run(*args, **kwargs)
-            stop("universal")
-            return result
-
-    universal.subprocess = Subprocess()
+    universal.run_ds_to_universal = converted_then_stopped
     return lambda: setattr(universal, "subprocess", real)
