@@ -199,6 +199,9 @@ def killed_in_child(work, what: str) -> None:
     faults of tests/launcher/faults): the state a process killed there leaves, with no test code run after it."""
     pid = os.fork()
     if pid == 0:
+        # The child has only the forking thread: a parallel region would wait for OpenMP workers that were not
+        # copied (libgomp hangs: seen in ds_to_universal's first tensor clone). One thread runs none.
+        torch.set_num_threads(1)
         try:
             work(lambda reason: os.kill(os.getpid(), signal.SIGKILL))
         finally:
