@@ -63,15 +63,15 @@ def hf_reference_run(model_dir, steps: int = STEPS, dtype=torch.float32) -> dict
     optimizer = torch.optim.AdamW(model.parameters(), lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
                                   weight_decay=OPTIM["weight_decay"])
     scheduler = WarmupLR(optimizer, **WARMUP)
-    losses = []
+    losses, grad_norms = [], []
     for step in range(steps):
         ids, targets = global_batch(step)
         loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        grad_norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())  # the norm before clipping
         optimizer.step()
         scheduler.step()
         optimizer.zero_grad()
         losses.append(loss.item())
     weights = {n: p.detach().clone() for n, p in model.named_parameters()}
-    return {"losses": losses, "weights": weights}
+    return {"losses": losses, "grad_norms": grad_norms, "weights": weights}

@@ -37,17 +37,20 @@ def run_one(run: dict, model_dirs: dict) -> dict:
             module.register_forward_pre_hook(lambda _, args: block_inputs.add(tuple(args[0].shape)))
 
     dp_rank, dp = trainer.groups.data_shard()  # the CP ranks of a data shard read the same batches
-    losses, forwards_per_step = [], []
+    losses, grad_norms, forwards_per_step = [], [], []
     timeline = InstructionTimeline(trainer.engine) if trainer.uses_pipeline else None
     for step in range(STEPS):
         before = block_forwards[0]
         with SavedActivationProbe(trainer.module.parameters()) as probe:
             losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
+        norm = trainer.engine.get_global_grad_norm()  # before clipping
+        grad_norms.append(None if norm is None else float(norm))
         forwards_per_step.append(block_forwards[0] - before)
 
     optimizer = trainer.engine.optimizer
     report = {
         "losses": losses,
+        "grad_norms": grad_norms,
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),

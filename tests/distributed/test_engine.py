@@ -174,6 +174,7 @@ def test_layout_matches_hf_over_five_steps(results, run):
         assert len(report["losses"]) == STEPS
         assert max_rel_error(torch.tensor(report["losses"][0]), torch.tensor(ref["losses"][0])) <= FIRST_LOSS_TOL
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= RUN_TOL
+        assert_grad_norms_match(report, ref, RUN_TOL, run)
     weights = merged_weights(reports)
     assert set(weights) == set(ref["weights"])
     bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= RUN_TOL}
@@ -185,10 +186,23 @@ def test_layout_matches_hf_over_five_steps(results, run):
 SEQUENCE_TOL = 1e-5  # measured: below 7e-6 for every run (fp32, 5 steps)
 
 
-def assert_losses_and_weights_match(ref, reports):
+def assert_grad_norms_match(report, ref, tol, run):
+    """The global gradient norm before clipping, every step, against HF's: a gradient scaled by the same factor
+    everywhere (a wrong CP, DP or GAS divisor) leaves AdamW's update, and so losses and weights, nearly unchanged.
+    DeepSpeedEngine's fp32 path without ZeRO clips through `clip_fp32_gradients`, which keeps no norm
+    (deepspeed 0.19.8 runtime/engine.py:3502): only those runs report none."""
+    if run["pp"] == 1 and run["zero"] == 0:
+        assert report["grad_norms"] == [None] * STEPS, report["grad_norms"]
+        return
+    assert max_rel_error(torch.tensor(report["grad_norms"]), torch.tensor(ref["grad_norms"])) <= tol, (
+        report["grad_norms"], ref["grad_norms"])
+
+
+def assert_losses_and_weights_match(ref, reports, run):
     """Every rank's five losses and the weights merged over ranks within SEQUENCE_TOL of the HF reference run."""
     for report in reports:
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= SEQUENCE_TOL
+        assert_grad_norms_match(report, ref, SEQUENCE_TOL, run)
     weights = merged_weights(reports)
     bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= SEQUENCE_TOL}
     assert not bad, bad
@@ -202,7 +216,7 @@ def test_sequence_and_context_parallel_match_hf_over_five_steps(results, run):
         # the blocks really run on sequence shards: (b, s/c, h), and (b, s/(c·t), h) with SP
         split = run["cp"] * (run["tp"] if run["hybrid"].get("sequence_parallel") else 1)
         assert report["block_inputs"] == [(MICRO_BATCH, SEQ // split, 32)]
-    assert_losses_and_weights_match(ref, reports)
+    assert_losses_and_weights_match(ref, reports, run)
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
 
 
@@ -212,7 +226,7 @@ def test_dualpipev_matches_hf_over_five_steps(results, run):
     reports = results["runs"][run["name"]]
     for report in reports:
         assert report["engine"] == "DualPipeVEngine"
-    assert_losses_and_weights_match(ref, reports)
+    assert_losses_and_weights_match(ref, reports, run)
     # each rank holds stages r and 2p-1-r: the 4 blocks spread over 2p stages
     assert {r["blocks_on_rank"] for r in reports} == {4 // run["pp"]}
 
@@ -234,7 +248,7 @@ def test_interleaved_matches_hf_over_five_steps(results, run):
         assert set(passes) == {(kind, chunk, chunk * 4 + i) for kind in ("ForwardPass", "BackwardPass")
                                for chunk in (0, 1) for i in range(4)} and set(passes.values()) == {STEPS}
         assert report["saved_peak"] > 0 and report["saved_after_step"] == 0
-    assert_losses_and_weights_match(ref, reports)
+    assert_losses_and_weights_match(ref, reports, run)
 
 
 def test_json_optimizer_default_adamw_matches_hf(results):
