@@ -70,21 +70,26 @@ def dispatch(x: torch.Tensor, indices: torch.Tensor, num_experts: int, ep: Exper
     local = num_experts // ep.size  # L experts per rank
     flat = indices.reshape(-1)  # (a,); an index of E marks an assignment dropped by the expert capacity
     order = torch.argsort(flat, stable=True)  # (a,) assignments grouped by expert, the dropped ones last
-    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts]  # (E,) assignments per expert
+    # (E,) assignments per expert, counted on the device (bincount reads the largest index on the host first)
+    counts = torch.zeros(num_experts + 1, dtype=torch.long, device=x.device).index_add_(
+        0, flat, torch.ones_like(flat))[:num_experts]
     # Each rank learns how many rows of each of its experts every source sends: counts are sent in blocks
     # of L (block j = rank j's experts), so the receiver's (e, L) table is [source, local expert].
     received = torch.empty_like(counts)
     dist.all_to_all_single(received, counts.contiguous(), group=ep.group)
     table = received.view(ep.size, local)  # (e, L)
-    send = counts.view(ep.size, local).sum(dim=1).tolist()
-    recv = table.sum(dim=1).tolist()
+    # The one wait for the device per dispatch: the all-to-all split sizes and the rows per local expert are host
+    # integers, read in a single copy (each .tolist() is a device-to-host copy that waits for the stream).
+    sizes = torch.cat((counts.view(ep.size, local).sum(dim=1), table.sum(dim=1), table.sum(dim=0))).tolist()
+    send, recv, rows_per_expert = sizes[:ep.size], sizes[ep.size:2 * ep.size], sizes[2 * ep.size:]
     order = order[:sum(send)]  # (a',) the assignments that run
     rows = AllToAll.apply(x.index_select(0, order // k), send, recv, ep.group)  # (r, h), source-major
     # Regroup by local expert, source by source within each: a stable sort of each row's local expert id.
-    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep.size), table.reshape(-1))
+    expert_of_row = torch.repeat_interleave(torch.arange(local, device=x.device).repeat(ep.size), table.reshape(-1),
+                                            output_size=sum(recv))  # (r,); the size given, so no second wait
     regroup = torch.argsort(expert_of_row, stable=True)  # (r,)
     plan = DispatchPlan(order=order, send=send, recv=recv, restore=torch.argsort(regroup), group=ep.group)
-    return rows.index_select(0, regroup), table.sum(dim=0).tolist(), plan
+    return rows.index_select(0, regroup), rows_per_expert, plan
 
 
 def combine(y: torch.Tensor, plan: DispatchPlan) -> torch.Tensor:
