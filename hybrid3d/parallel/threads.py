@@ -1,10 +1,11 @@
-"""Intra-op threads per rank on the CPU.
+"""Intra-op threads per rank, on every accelerator (a GPU rank's host-side work runs on the CPU too).
 
 torch starts each process with as many intra-op threads as the machine has cores, and DeepSpeed's
 launcher leaves that alone (only `--bind_cores_to_rank` sets OMP_NUM_THREADS). With n ranks on one
 host that is n x cores compute threads fighting over the cores: measured here, the CPU demo (TP2 x PP2,
 4 ranks on 2 cores) ran at 630 tokens/s with the default and 3,788 with one thread per rank. So each
 rank takes its share of the cores it may run on, unless the user chose a number (OMP_NUM_THREADS).
+torchrun does the same for GPU jobs (OMP_NUM_THREADS=1 when it starts more than one process per node).
 """
 
 import os

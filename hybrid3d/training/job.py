@@ -148,7 +148,9 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     pooled worlds)."""
     hybrid, layout = job.hybrid, job.layout
     set_deepspeed_verbosity(job.verbose)
-    threads = set_cpu_threads(local_ranks()) if get_accelerator().device_name() == "cpu" else None
+    # CPU threads on every accelerator: a GPU rank's host work (data, the optimizer's host side) would otherwise
+    # run as many threads as the node has cores, once per rank on the node
+    threads = set_cpu_threads(local_ranks())
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)

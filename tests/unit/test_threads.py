@@ -1,5 +1,6 @@
 """CPU threads per rank: an equal share of the usable cores, OMP_NUM_THREADS wins."""
 
+import pytest
 import torch
 
 from hybrid3d.parallel.threads import local_ranks, set_cpu_threads, threads_per_rank, usable_cores
@@ -34,3 +35,25 @@ def test_set_and_override(monkeypatch):
         assert torch.get_num_threads() == 2
     finally:
         torch.set_num_threads(before)
+
+
+def test_the_job_shares_the_cores_on_any_accelerator(monkeypatch):
+    """A GPU rank sets its threads too (issue 32, finding 9: only CPU ranks did, so each of 8 GPU ranks ran as many
+    host threads as the node has cores)."""
+    import types
+
+    from hybrid3d.training import job
+
+    class Chosen(Exception):
+        pass
+
+    def set_threads(ranks):
+        raise Chosen(ranks)
+
+    monkeypatch.setattr(job, "get_accelerator", lambda: types.SimpleNamespace(device_name=lambda: "cuda"))
+    monkeypatch.setattr(job, "set_cpu_threads", set_threads)
+    monkeypatch.setenv("LOCAL_SIZE", "8")
+    fake_job = types.SimpleNamespace(hybrid=None, layout=None, verbose=False, override_log=[])
+    with pytest.raises(Chosen) as chosen:
+        job.run_in_world(fake_job, eval_only=False, rank=0)
+    assert chosen.value.args == (8,)
