@@ -154,8 +154,7 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)
-    if threads:
-        info(threads, is_rank0)
+    info(threads, is_rank0)
 
     source = job.source
     data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizers(), source.hf_config.vocab_size),

@@ -91,4 +91,4 @@ def patch_universal(universal, stop):
         stop("universal")
 
     universal.run_ds_to_universal = converted_then_stopped
-    return lambda: setattr(universal, "subprocess", real)
+    return lambda: setattr(universal, "run_ds_to_universal", real)
