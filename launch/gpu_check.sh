@@ -4,9 +4,10 @@
 #   git rev-parse HEAD > .commit                     # here: the copy the GPU machine gets has no .git
 #   device run: bash launch/gpu_check.sh  (carry [".wheels"], timeout_s 540)
 #   bash launch/gpu_check.sh --cpu                   # here: the same steps on the CPU accelerator, tiny shapes
-# Installs the carried wheels and this checkout, records the machine, then runs the GPU tier (tests/gpu: the
-# layout matrix against HF on the GPUs present, a shrunk GPU recipe through the real launcher, verify, resume)
-# and benchmarks/mfu.py; every result lands under $OUT (default gpu_check_out/), each step's exit code in
+# Installs the carried wheels and this checkout, records the machine, then runs the attention probe (the SDPA
+# kernel, time and memory of each mask case: benchmarks/attention_probe.py), the host-sync audit of two steps of a
+# dense and a MoE model (benchmarks/sync_audit.py), the GPU tier (tests/gpu: the layout matrix against HF on the
+# GPUs present, a shrunk GPU recipe through the real launcher, verify, resume) and benchmarks/mfu.py; every result lands under $OUT (default gpu_check_out/), each step's exit code in
 # $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,10 @@ $PY -c "import hybrid3d" 2>/dev/null || export PYTHONPATH=$PWD${PYTHONPATH:+:$PY
 'transformers', transformers.__version__)"
 } >"$OUT/machine.txt" 2>&1
 
+SMOKE=""; [ $CPU = 1 ] && SMOKE="--smoke"
+# which SDPA kernel each mask case reaches (1B attention shape), then where a step waits for the device
+step attention_probe 90 $PY benchmarks/attention_probe.py $SMOKE --out "$OUT/attention"
+step sync_audit 120 $PY benchmarks/sync_audit.py $SMOKE --out "$OUT/sync"
 step pytest_gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
 if [ $CPU = 1 ]; then
   step mfu 240 $PY benchmarks/mfu.py --smoke --out "$OUT/mfu"

@@ -84,7 +84,7 @@ def _verify(args) -> int:
         ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
     if args.dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
-    trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape))
+    trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape), checkpoint_follows=True)
     trainer.load(args.checkpoint, tag=args.tag, module_only=True)
 
     generator = torch.Generator().manual_seed(args.seed)

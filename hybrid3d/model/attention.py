@@ -29,7 +29,7 @@ from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.masks import document_causal_mask, sliding_window_mask_or_none
+from hybrid3d.model.masks import attention_bias
 from hybrid3d.model.norm import HeadRMSNorm
 from hybrid3d.model.tp_plan import COLUMN, block_kind, context_kv_heads, kv_heads_per_rank
 from hybrid3d.model.rope import RotaryFrequencies, apply_rope
@@ -91,11 +91,10 @@ class CoreAttention(nn.Module):
     def forward(self, q, k, v, positions=None):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, s, d)
         cos, sin = self.rotary.cos_sin(q.shape[2], q.device, q.dtype)  # positions 0..s-1 of the whole sequence
-        mask = sliding_window_mask_or_none(q.shape[2], self.sliding_window, q.device)  # (s, s) bool, or None: causal
         if positions is not None:  # each document from position 0, seeing only itself
             cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)  # (b, 1, s, d)
-            documents = document_causal_mask(positions)  # (b, 1, s, s)
-            mask = documents if mask is None else documents & mask
+        # (s, s) window or (b, 1, s, s) documents, additive and shared by the layers; None: causal
+        mask = attention_bias(q.shape[2], self.sliding_window, positions, q.dtype, q.device)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         group = q.shape[1] // k.shape[1]  # query heads per kv head
         if mask is not None and group > 1:  # (b, kv, s, d) -> (b, heads, s, d), HF's repeat_kv order

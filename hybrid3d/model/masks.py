@@ -1,22 +1,27 @@
-"""Attention masks beyond the plain causal one, as explicit boolean SDPA masks (True = may attend).
+"""Attention masks beyond the plain causal one, as SDPA masks: boolean (True = may attend), and the additive
+form SDPA receives (`attention_bias`: 0 where a query may attend, -inf elsewhere, in the compute dtype).
 
 Sliding-window attention (Child et al. 2019; Mistral, Jiang et al. 2023): query i sees keys
 i - window < j <= i, the last `window` positions including itself, as HF's `sliding_window_overlay`
 combined with the causal mask. A window at least as long as the sequence masks nothing more than
-causality, so `sliding_window_mask_or_none` returns None there and SDPA keeps its `is_causal` path.
-
-The mask costs s² bytes, and SDPA keeps it for backward in every layer: `sliding_window_mask_or_none` hands
-all layers (and all micro-batches) one shared tensor per (s, window, device), so a stage holds s² bytes,
-not L·s². Callers must not modify it in place. On GPUs a boolean mask rules out the flash kernel; PyTorch
-takes its memory-efficient one, still without an s² score matrix.
+causality, so there is no mask there and SDPA keeps its `is_causal` path.
 
 Document masking (packed sequences, Krell et al. 2021 "Efficient Sequence Packing without
 Cross-contamination"; Llama 3's pre-training): a token attends only to earlier tokens of its own
 document. The documents of a packed row are read off its positions: a document starts wherever the
 position is 0, so the row's segment ids are the running count of zeros. With a window too, both apply.
+
+Why additive, and why shared: SDPA turns a boolean mask into an additive one in the query's dtype on every call
+(torch 2.13 `convert_boolean_attn_mask`, on CPU and GPU alike) and saves that copy for backward, so a boolean
+mask costs each layer its own (b, 1, s, s) tensor. `attention_bias` hands every layer one additive tensor
+instead: per (s, window, device, dtype) for a window, per micro-batch for documents (a function of the positions
+tensor, which every block of a stage receives as the same object). A stage then holds b·s² elements of masks per
+micro-batch, not L·b·s². Recomputation receives a detached copy of the positions and builds its own mask, freed
+with that layer's backward. Callers must not modify a mask in place.
 """
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -33,12 +38,28 @@ def sliding_window_mask_or_none(seq_len: int, window: Optional[int], device=None
     """`sliding_window_mask`, or None when there is no window or it covers the whole sequence."""
     if window is None or window >= seq_len:
         return None
-    return _shared_mask(seq_len, window, torch.device(device) if device is not None else torch.device("cpu"))
-
-
-@functools.lru_cache(maxsize=8)  # a memo of a pure function: a few (s, window, device) keys per run
-def _shared_mask(seq_len: int, window: int, device: torch.device) -> torch.Tensor:
     return sliding_window_mask(seq_len, window, device)
+
+
+def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """bool mask -> 0 where True, -inf where False, in `dtype`: what SDPA makes of a boolean mask."""
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attention_bias(seq_len: int, window: Optional[int], positions: Optional[torch.Tensor], dtype: torch.dtype,
+                   device) -> Optional[torch.Tensor]:
+    """The additive mask for SDPA, shared by every layer (see the module's docstring), or None for plain causal
+    attention: (s, s) for a window shorter than the sequence, (b, 1, s, s) with documents (`positions` (b, s))."""
+    if positions is not None:
+        return _document_bias(positions, window, dtype)
+    if window is None or window >= seq_len:
+        return None
+    return _window_bias(seq_len, window, torch.device(device), dtype)
+
+
+@functools.lru_cache(maxsize=8)  # a memo of a pure function: a few (s, window, device, dtype) keys per run
+def _window_bias(seq_len: int, window: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return additive(sliding_window_mask(seq_len, window, device), dtype)
 
 
 def document_segments(positions: torch.Tensor) -> torch.Tensor:
@@ -53,3 +74,21 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     s = positions.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
     return (same_document & causal).unsqueeze(1)
+
+
+
+# (id, version, window, dtype) of a live positions tensor -> its mask; an entry leaves when that tensor is freed
+_DOCUMENT_BIASES: dict = {}
+
+
+def _document_bias(positions: torch.Tensor, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
+    """Additive `document_causal_mask(positions)` (and the window's), one per positions tensor while it lives."""
+    key = (id(positions), positions._version, window, dtype)
+    bias = _DOCUMENT_BIASES.get(key)
+    if bias is None:
+        mask = document_causal_mask(positions)  # (b, 1, s, s)
+        windowed = sliding_window_mask_or_none(positions.shape[-1], window, positions.device)
+        bias = additive(mask if windowed is None else mask & windowed, dtype)
+        _DOCUMENT_BIASES[key] = bias
+        weakref.finalize(positions, _DOCUMENT_BIASES.pop, key, None)
+    return bias

@@ -50,7 +50,7 @@ from hybrid3d.parallel.tensor_parallel import (
     reduce_from_tp_region,
 )
 from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
-from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
+from hybrid3d.parallel.tensor_parallel.layers import draw_device, init_shard_, normal_init
 
 
 def router_stats_size(num_experts: int) -> int:
@@ -139,10 +139,11 @@ class Expert(nn.Module):
     """One SwiGLU expert, split over TP like the dense MLP. `Experts.forward` runs the TP collectives
     once for all experts, so it uses these layers' weights directly, not their forward."""
 
-    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
+    def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
+                 generator: Optional[torch.Generator] = None):
         super().__init__()
         h, f = shape.hidden_size, shape.intermediate_size
-        kw = dict(device=device, dtype=dtype, init_method=normal_init(shape.initializer_range))
+        kw = dict(device=device, dtype=dtype, init_method=normal_init(shape.initializer_range, generator))
         self.gate_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.up_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.down_proj = RowParallelLinear(f, h, tp, input_is_parallel=True, **kw)
@@ -160,8 +161,8 @@ class Experts(nn.Module):
     it holds E/e of them: the tokens travel to their experts' ranks and back (parallel/expert_parallel.py), and
     each expert parameter is marked as DeepSpeed's MoE layer marks its own (`allreduce = False`, `group_name`),
     so the engine and ZeRO reduce its gradient over the expert-data-parallel group only (ds_internals/experts.py).
-    Building skips no random draw: the experts of other ranks are drawn and dropped, so the initial weights
-    do not depend on e."""
+    Each expert is drawn from its own generator, seeded from one draw of the layer's stream that every rank
+    makes: a rank draws only the experts it holds, and the initial weights still do not depend on e."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ep: Optional[ExpertParallelGroup] = None,
                  device=None, dtype=None):
@@ -169,11 +170,11 @@ class Experts(nn.Module):
         self.tp = tp
         self.ep = ep or ExpertParallelGroup.single()
         self.num_experts = shape.num_experts
-        local = self.ep.local_experts(shape.num_experts)
-        for e in range(shape.num_experts):
-            expert = Expert(shape, tp, device=device, dtype=dtype)  # drawn on every rank: the RNG stream stays e-free
-            if e in local:
-                self.add_module(str(e), expert)
+        # (E,) seeds from the layer's stream, the same on every rank whichever experts it holds
+        seeds = torch.randint(2**62, (shape.num_experts,), dtype=torch.int64).tolist()
+        for e in self.ep.local_experts(shape.num_experts):
+            generator = torch.Generator(draw_device()).manual_seed(seeds[e])
+            self.add_module(str(e), Expert(shape, tp, device=device, dtype=dtype, generator=generator))
         if self.ep.size > 1:
             for param in self.parameters():
                 param.allreduce = False  # deepspeed.moe.utils.is_moe_param

@@ -26,6 +26,11 @@ def local_ranks() -> int:
     return int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
 
 
+def local_rank(default: int = 0) -> int:
+    """This rank's index on its host (LOCAL_RANK, which both launchers set); `default` where none is set."""
+    return int(os.environ.get("LOCAL_RANK", default))
+
+
 def threads_per_rank(local_ranks: int, cores: int) -> int:
     """An equal share of `cores` for each of `local_ranks` ranks on this host, at least one."""
     return max(1, cores // max(1, local_ranks))

@@ -25,7 +25,7 @@ from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
 from hybrid3d.parallel.world import process_group_timeout, start_world
 from hybrid3d.parallel.placement import gather_placement, placement_lines
-from hybrid3d.parallel.threads import local_ranks, set_cpu_threads
+from hybrid3d.parallel.threads import local_rank, local_ranks, set_cpu_threads
 from hybrid3d.training.output_folder import clear_previous_run
 from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
 from hybrid3d.training.metrics import MetricsLogger, info
@@ -54,6 +54,26 @@ def rank0_first(fn, rank: int):
     if error[0] is not None:
         raise ConfigError(error[0]) if rank == 0 else ReportedError(error[0])
     return result if rank == 0 else fn()
+
+
+def node_leaders_first(fn, rank: int):
+    """Run `fn` on every host's first rank (LOCAL_RANK 0) at once, then on the others, so that each host fills its
+    cache once: with a cache every host sees, the leaders race to one atomic rename (data/pipeline.py) in the time
+    one build takes; with a cache per host, each host builds its own in that same time, where `rank0_first` would
+    have every other rank of a remote host build at once. A user error on a leader is re-raised on every rank."""
+    leader = local_rank(rank) == 0
+    error, result = None, None
+    if leader:
+        try:
+            result = fn()
+        except ConfigError as e:
+            error = str(e)
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, error)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise ConfigError(first) if rank == 0 else ReportedError(first)
+    return result if leader else fn()
 
 
 def schedule_note(pp: int, hybrid) -> str:
@@ -139,7 +159,7 @@ def run_job(job, eval_only: bool, rank: int) -> int:
             dist.destroy_process_group()
         if get_accelerator().device_name() == "cpu":
             remove_shm_buffers(os.environ.get("MASTER_ADDR", "127.0.0.1"), os.environ.get("MASTER_PORT", "29500"),
-                               os.environ.get("LOCAL_RANK", rank))
+                               local_rank(rank))
 
 
 def run_in_world(job, eval_only: bool, rank: int) -> int:
@@ -157,8 +177,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     info(threads, is_rank0)
 
     source = job.source
-    data = rank0_first(lambda: build_training_data(hybrid.data, source.tokenizers(), source.hf_config.vocab_size),
-                       rank)
+    data = node_leaders_first(
+        lambda: build_training_data(hybrid.data, source.tokenizers(), source.hf_config.vocab_size), rank)
     info(f"data: {data.summary}" + (" (documents masked from each other)" if hybrid.data.document_mask else ""),
          is_rank0)
     universal_dir = None
@@ -171,7 +191,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     if job.plan is not None and not job.plan.module_only:
         verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())
     with deepspeed_prints(job.verbose):
-        trainer = build_trainer(job.run, hf_state_dict=job.hf_weights, load_universal=universal_dir is not None)
+        trainer = build_trainer(job.run, hf_state_dict=job.hf_weights, load_universal=universal_dir is not None,
+                                checkpoint_follows=job.plan is not None)
     config = trainer.config
     step, client = 0, {}
     if job.plan is not None:
@@ -201,7 +222,7 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
              f"({hybrid.train.eval_steps} batches, checkpoint step {step})", is_rank0)
         if universal_dir is not None:
             dist.barrier()  # every rank has loaded it
-            if int(os.environ.get("LOCAL_RANK", rank)) == 0:
+            if local_rank(rank) == 0:
                 shutil.rmtree(universal_dir.parent, ignore_errors=True)
         return 0
 

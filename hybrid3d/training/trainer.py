@@ -44,6 +44,7 @@ from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
+from hybrid3d.parallel.tensor_parallel.layers import weights_loaded_later
 from hybrid3d.parallel.world import process_group_timeout
 from hybrid3d.training.validation import ValidRun
 
@@ -225,22 +226,27 @@ def configure_activation_checkpointing(groups: ProcessGroups, config: RunConfig)
     ds_checkpointing.configure(groups, deepspeed_config=config.ds_config)
 
 
-def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_universal: bool = False) -> Trainer:
+def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_universal: bool = False,
+                  checkpoint_follows: bool = False) -> Trainer:
     """Build groups and model, load HF weights if given, initialise DeepSpeed.
 
     Every rank must call it (it creates process groups). `run` is what `validate_run` returned: every check
     ran there, once, before anything is built. `load_universal`: the checkpoint this trainer will load is
     DeepSpeed's universal one (a resume at another layout), which its engine must know at initialisation.
+    Initial weights are drawn only when nothing overwrites them: not with `hf_state_dict`, nor when the caller
+    loads a checkpoint next (`checkpoint_follows`).
     """
     config, layout, shape = run.config, run.layout, run.shape  # build_groups checks the world's size
     config = dataclasses.replace(config, ds_config=json.loads(json.dumps(config.ds_config)))  # DeepSpeed edits it
     if load_universal:
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     with new_groups_wait(process_group_timeout(config.hybrid.timeout_seconds)):  # every group DeepSpeed makes too
-        return _build(config, layout, shape, hf_state_dict)
+        draws = weights_loaded_later() if hf_state_dict is not None or checkpoint_follows else contextlib.nullcontext()
+        return _build(config, layout, shape, hf_state_dict, draws)
 
 
-def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_state_dict: Optional[dict]) -> Trainer:
+def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_state_dict: Optional[dict],
+           draws) -> Trainer:
     groups = build_groups(layout)
     tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
     if shape.is_moe and layout.pp > 1:
@@ -250,18 +256,11 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     seed = config.hybrid.seed
     seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ
     configure_activation_checkpointing(groups, config)
-
-    if layout.pp > 1:
-        with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
-            module = build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
-                                           cp=cp, schedule=config.hybrid.pipeline_schedule,
-                                           virtual=config.hybrid.virtual_pipeline_size, ep=ep)
-    else:
-        checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
-        module = LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
-                                 checkpoint_fn=checkpoint_fn, cp=cp, ep=ep)
+    with draws:
+        module = _build_module(config, layout, shape, groups, seed)
     if hf_state_dict is not None:
-        load_hf_state_dict(module, hf_state_dict, shape, tp)
+        load_hf_state_dict(module, hf_state_dict, shape, tp)  # raises on any parameter it did not fill
+
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
@@ -290,3 +289,16 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         use_exact_clipping(engine, groups)
     trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
     return trainer_cls(engine, config, layout, groups, shape)
+
+
+def _build_module(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, groups, seed: int):
+    """The PipelineModule of this rank's stage (pp > 1), or the whole model as one sequence of layers."""
+    tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
+    if layout.pp > 1:
+        with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
+            return build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
+                                         cp=cp, schedule=config.hybrid.pipeline_schedule,
+                                         virtual=config.hybrid.virtual_pipeline_size, ep=ep)
+    checkpoint_fn = ds_checkpointing.checkpoint if config.use_reentrant else ds_checkpointing.non_reentrant_checkpoint
+    return LlamaSequential(shape, tp, seed=seed, checkpoint_interval=config.checkpoint_interval,
+                           checkpoint_fn=checkpoint_fn, cp=cp, ep=ep)

@@ -6,6 +6,7 @@ import gc
 from tests.distributed import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
+from tests.unit.test_weight_draws import DrawCounter
 
 
 def run_one(run: dict, model_dirs: dict) -> dict:
@@ -26,7 +27,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     config["hybrid3d"].update(run.get("hybrid", {}))  # sequence_parallel, context_parallel_size, ...
     if "optimizer" in run:
         config["optimizer"] = run["optimizer"]
-    trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
+    with DrawCounter() as build_draws:  # HF weights follow: nothing to draw
+        trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
     del hf
 
     block_forwards = [0]
@@ -49,6 +51,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
 
     optimizer = trainer.engine.optimizer
     report = {
+        "build_draws": build_draws.drawn,
         "losses": losses,
         "grad_norms": grad_norms,
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(

@@ -110,15 +110,14 @@ def test_bf16_layout_tracks_fp32(matrix, run):
 
 def shrunk_recipe(tmp: Path, steps: int, **train) -> Path:
     """ds_configs/gpu_llama2-7b_8gpu.json with a 4-layer model, 256-token sequences, local data and
-    the layout cut to the devices present (bf16, fp32 masters, ZeRO-1, activation checkpointing kept)."""
+    the layout cut to the devices present (bf16, fp32 masters, ZeRO-1, the LR schedule's shape kept)."""
     raw = json.loads((REPO / "ds_configs" / "gpu_llama2-7b_8gpu.json").read_text())
     tp, pp = min(2, DEVICES), 2 if DEVICES >= 4 else 1
-    dp = DEVICES // (tp * pp)
     tmp.mkdir(parents=True, exist_ok=True)
     docs = tmp / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"Document {i}. " + "the quick brown fox jumps " * (5 + i % 7)}) + "\n"
                             for i in range(400)))
-    raw.update(train_batch_size=2 * 2 * dp, gradient_accumulation_steps=2)
+    raw.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=2)
     raw["scheduler"]["params"].update(total_num_steps=steps, warmup_num_steps=2)
     section = raw["hybrid3d"]
     section.update(tensor_parallel_size=tp, pipeline_parallel_size=pp)
@@ -164,3 +163,34 @@ def test_verify_passes_a_converted_checkpoint(tmp_path):
     result = deepspeed("--module", "hybrid3d.verify", "--hf-model", hf_dir, "--checkpoint", out, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "documents", "window"])
+def test_attention_reaches_a_fused_kernel(monkeypatch, case):
+    """The kernel SDPA picks for exactly the arguments hybrid3d's attention passes, at Llama-3.2-1B's head shape in
+    bf16 (fp32 on the CPU check): never the math kernel, which upcasts to fp32 and keeps the (b, heads, s, s) scores.
+    Before kv heads were repeated under a mask, the document and window cases took it on GPUs."""
+    import torch.nn.functional as F
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.model.attention import CoreAttention
+
+    device = torch.device("cpu" if ON_CPU else "cuda")
+    dtype = torch.float32 if ON_CPU else torch.bfloat16
+    b, s, heads, kv, d = 1, 256, 32, 8, 64
+    seen = []
+    sdpa = F.scaled_dot_product_attention
+
+    def spy(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, enable_gqa=False, **kw):
+        seen.append(torch._fused_sdp_choice(q, k, v, attn_mask, dropout_p, is_causal, enable_gqa=enable_gqa))
+        return sdpa(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, enable_gqa=enable_gqa, **kw)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    attention = CoreAttention(LlamaShape(vocab_size=128, hidden_size=heads * d, intermediate_size=128, num_layers=1,
+                                         num_heads=heads, num_kv_heads=kv, head_dim=d,
+                                         sliding_window=64 if case == "window" else None)).to(device)
+    q, k, v = (torch.randn(b, s, n, d, device=device, dtype=dtype) for n in (heads, kv, kv))
+    positions = torch.arange(s, device=device).remainder(s // 4).unsqueeze(0) if case == "documents" else None
+    attention(q, k, v, positions=positions)
+    assert len(seen) == 1 and seen[0] != int(torch.nn.attention.SDPBackend.MATH), seen

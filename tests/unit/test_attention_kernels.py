@@ -48,3 +48,28 @@ def _reference(attention, q, k, v, positions):
         mask = document_causal_mask(positions) if mask is None else document_causal_mask(positions) & mask
     q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
     return SDPA(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True).transpose(1, 2)
+
+
+def test_every_block_of_a_micro_batch_shares_one_document_mask():
+    """A stage keeps one (b, 1, s, s) mask per micro-batch for backward, not one per layer: the blocks save the
+    same tensor (SDPA saves the additive copy it makes of a boolean mask, so the shared mask is additive)."""
+    from hybrid3d.model import LlamaSequential
+    from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+
+    b, s, layers = 2, 12, 3
+    shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,
+                       num_kv_heads=2, head_dim=8, sliding_window=5)
+    model = LlamaSequential(shape, TensorParallelGroup.single(), seed=0)
+    ids = torch.randint(0, 64, (b, s))
+    positions = torch.tensor([list(range(5)) + list(range(7)), list(range(12))])
+    masks = []
+
+    def pack(tensor):
+        if tensor.shape == (b, 1, s, s):
+            masks.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model((ids, positions)).float().sum().backward()
+    assert len(masks) == layers  # every block saved a mask for its backward ...
+    assert len({mask.data_ptr() for mask in masks}) == 1  # ... and it is one tensor (old code: one per block)

@@ -8,7 +8,7 @@ from transformers import AutoModelForCausalLM, GemmaConfig, MixtralConfig, Qwen2
 from hybrid3d.errors import UnsupportedConfigError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.hf_weights import param_specs
-from hybrid3d.model.masks import sliding_window_mask, sliding_window_mask_or_none
+from hybrid3d.model.masks import attention_bias, sliding_window_mask, sliding_window_mask_or_none
 from hybrid3d.model.presets import PRESETS, preset_config
 from hybrid3d.planning.memory import model_parameters, stage_parameter_numels
 from tests.tiny_families import FAMILIES, family_config
@@ -53,7 +53,9 @@ def test_sliding_window_mask_matches_hf():
     assert ours.tolist() == [[bool(hf(t(0), t(0), t(i), t(j))) for j in range(12)] for i in range(12)]
     assert ours.sum(1).tolist() == [1, 2, 3, 4] + [5] * 8  # each query sees itself and at most 4 earlier keys
     assert sliding_window_mask_or_none(12, 12) is None and sliding_window_mask_or_none(12, None) is None
-    assert sliding_window_mask_or_none(12, 5) is sliding_window_mask_or_none(12, 5)  # one tensor for all layers
+    one = attention_bias(12, 5, None, torch.float32, "cpu")  # additive, as SDPA makes of a boolean mask
+    assert one is attention_bias(12, 5, None, torch.float32, "cpu")  # one tensor for all layers
+    assert torch.equal(one == 0, ours) and attention_bias(12, 12, None, torch.float32, "cpu") is None
 
 
 def test_tp_plan_places_biases_and_head_norms():

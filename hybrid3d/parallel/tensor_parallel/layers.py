@@ -4,9 +4,16 @@ Every sharded parameter carries `tensor_model_parallel=True` (+ `partition_dim`)
 counts it once per TP rank in gradient norms, while replicated parameters are counted once.
 
 Weights are initialised as the full (unsharded) matrix from the default RNG, then sliced: all
-TP ranks share that RNG state, so the model's initial weights do not depend on the TP size.
+TP ranks share that RNG state, so the model's initial weights do not depend on the TP size. The full matrix
+is drawn on the accelerator when there is one (its generator is seeded with the host's, `model/layers.py
+seed_layer`): at 7B a rank's stage is ~3.4e9 normal draws, ~20 s on one host thread and milliseconds on a GPU.
+So a GPU run starts from other weights than a CPU run of the same seed, each independent of the layout.
+Weights that are overwritten right after building (HF weights, a checkpoint) are not drawn at all
+(`weights_loaded_later`).
 """
 
+import contextlib
+import contextvars
 import math
 from typing import Callable, Optional
 
@@ -25,9 +32,30 @@ from hybrid3d.parallel.tensor_parallel.mappings import (
 
 InitMethod = Callable[[torch.Tensor], None]
 
+# Set while building a model whose every parameter is then loaded (`weights_loaded_later`).
+_SKIP_DRAWS = contextvars.ContextVar("hybrid3d_skip_weight_draws", default=False)
 
-def normal_init(std: float) -> InitMethod:
-    return lambda w: nn.init.normal_(w, mean=0.0, std=std)
+
+@contextlib.contextmanager
+def weights_loaded_later():
+    """Within it, `init_shard_` leaves parameters as allocated (zeros for the host, as torch.empty would leave
+    garbage) instead of drawing them: the caller loads every parameter next and must check that it did
+    (`load_hf_state_dict` raises on any it did not fill; DeepSpeed's module load is strict)."""
+    token = _SKIP_DRAWS.set(True)
+    try:
+        yield
+    finally:
+        _SKIP_DRAWS.reset(token)
+
+
+def draw_device() -> torch.device:
+    """Where full matrices are drawn: the current accelerator if there is one, else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def normal_init(std: float, generator: Optional[torch.Generator] = None) -> InitMethod:
+    """N(0, std) from `generator`, or from the default generator of the tensor's device."""
+    return lambda w: nn.init.normal_(w, mean=0.0, std=std, generator=generator)
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -47,7 +75,11 @@ def init_shard_(shard: torch.Tensor, full_shape, dim: int, tp: TensorParallelGro
     """Fill `shard` with this rank's slice of a full tensor drawn by `init` (TP-size independent)."""
     if shard.is_meta:
         return
-    full = torch.empty(full_shape, dtype=torch.float32)
+    if _SKIP_DRAWS.get():
+        with torch.no_grad():
+            shard.zero_()
+        return
+    full = torch.empty(full_shape, dtype=torch.float32, device=draw_device())
     init(full)
     local = full.chunk(tp.size, dim=dim)[tp.rank] if tp.size > 1 else full
     with torch.no_grad():
