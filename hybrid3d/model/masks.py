@@ -77,18 +77,22 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
 
 
 
-# (id, version, window, dtype) of a live positions tensor -> its mask; an entry leaves when that tensor is freed
+# (id, version, window, dtype) of a live positions tensor -> a weak reference to its mask. The entry leaves when
+# the positions tensor is freed; the mask lives only while a layer's autograd graph saves it (a checkpointed
+# forward without grad keeps none, as the pipeline's input buffers would otherwise keep one per micro-batch).
 _DOCUMENT_BIASES: dict = {}
 
 
 def _document_bias(positions: torch.Tensor, window: Optional[int], dtype: torch.dtype) -> torch.Tensor:
     """Additive `document_causal_mask(positions)` (and the window's), one per positions tensor while it lives."""
     key = (id(positions), positions._version, window, dtype)
-    bias = _DOCUMENT_BIASES.get(key)
+    held = _DOCUMENT_BIASES.get(key)
+    bias = held() if held is not None else None
     if bias is None:
         mask = document_causal_mask(positions)  # (b, 1, s, s)
         windowed = sliding_window_mask_or_none(positions.shape[-1], window, positions.device)
         bias = additive(mask if windowed is None else mask & windowed, dtype)
-        _DOCUMENT_BIASES[key] = bias
-        weakref.finalize(positions, _DOCUMENT_BIASES.pop, key, None)
+        if held is None:
+            weakref.finalize(positions, _DOCUMENT_BIASES.pop, key, None)
+        _DOCUMENT_BIASES[key] = weakref.ref(bias)
     return bias

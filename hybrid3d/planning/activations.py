@@ -17,7 +17,7 @@ scalars). Per decoder block, bf16 (2 bytes) unless marked fp32:
 - attention: Q 2·s_c·b·a·d_h/t, K and V 2·2·s_c·b·k_c·d_h, the fused SDPA kernel's output 2·s_c·b·a·d_h/t
   (also the o_proj input without CP; with CP o_proj saves the exchange's output, a second copy) and fp32
   log-sum-exp 4·a·s·b/(t·c) (Korthikanti's "selective recomputation", §4.2: no s² scores), or an unfused
-  softmax 2·a·s²·b/(t·c) (not measured here); RoPE's cos and sin tables 2·2·s·d_h;
+  softmax 2·a·s²·b/(t·c) (not measured here); RoPE's cos and sin tables 2·2·s·d_h (2·2·b·s·d_h with documents);
 - SwiGLU: gate, up, silu(gate) and the down_proj input, 4·2·s_c·b·f/t.
 
 Context parallelism (CP; DeepSpeed-Ulysses, Jacobs et al. 2023, §3) gives every per-token term s -> s_c;
@@ -25,6 +25,14 @@ the core runs on the whole sequence with a/(t·c) heads, so its terms are divide
 (4·a·s·b/(t·c); s², not s_c², unfused). K and V: the exchange needs whole kv heads on each of the c
 ranks, so a rank's k_t heads are repeated up to k_c = c when c is a multiple of k_t (k_c = k_t when c
 divides k_t), and attention keeps s·(k_c/c)·d_h = s_c·k_c·d_h per tensor.
+
+Masked attention (`masks.attention_bias`: a sliding window shorter than s, or packed documents masked from each
+other): SDPA takes an additive mask in the compute dtype, which every layer of a rank shares, so it is counted
+once, not per layer: 2·s² for a window (one per shape, whatever the micro-batch), 2·b·s² for documents (one per
+micro-batch in flight; with checkpointing only the layer being recomputed holds one: the mask lives while a saved
+graph holds it). The core runs on the whole
+sequence under CP, so s², not s_c². K and V are repeated to the query heads before SDPA (the fused kernels refuse
+`enable_gqa` with a mask), so each keeps 2·s_c·b·a·d_h/t, as Q does, instead of 2·s_c·b·k_c·d_h.
 
 The first stage adds the token ids (int64, 8·s_c·b; + a bool mask s_c·b with t > 1); the last the final
 norm (8·s_c·b·h + 4·s_c·b, /t with SP) and the cross entropy: without TP torch's log-softmax over V
@@ -47,6 +55,7 @@ v·m >= v·p + p - 1; Korthikanti et al. 2022 state the same factor).
 """
 
 from functools import lru_cache
+from typing import Optional
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import check_schedule_stages, stage_bounds
@@ -78,22 +87,31 @@ def cp_kv_heads(shape: LlamaShape, t: int, cp: int = 1) -> int:
     return context_kv_heads(kv_t, cp)
 
 
+def attention_mask_kind(shape: LlamaShape, s: int, document_mask: bool) -> Optional[str]:
+    """The explicit mask SDPA gets (`masks.attention_bias`): "documents", "window" (shorter than s) or None."""
+    if document_mask:
+        return "documents"
+    return "window" if shape.sliding_window is not None and shape.sliding_window < s else None
+
+
 def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True,
-                               sequence_parallel: bool = False, cp: int = 1) -> float:
+                               sequence_parallel: bool = False, cp: int = 1, mask: Optional[str] = None) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
     norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
     2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
     unfused + RoPE tables 4·s·d_h. K and V count the heads a rank computes with (`kv_heads_per_rank`):
-    with t > kv heads the weights are replicated, but each rank keeps only the one head it uses."""
+    with t > kv heads the weights are replicated, but each rank keeps only the one head it uses. With a `mask`
+    (`attention_mask_kind`) they are repeated to the query heads (2 x Q's bytes), and with documents RoPE's
+    tables are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`."""
     h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
     norms = (16 * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
     q = 2 * s_c * b * a * d / t
-    kv = 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp) * d
+    kv = 2 * q if mask else 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp) * d
     out = q * (2 if cp > 1 else 1)
     swiglu = 4 * 2 * s_c * b * f / t
     core = 4 * a * s * b / (t * cp) if flash_attention else 2 * a * s * s * b / (t * cp)
-    rope = 2 * 2 * s * d
+    rope = 2 * 2 * s * d * (b if mask == "documents" else 1)
     return norms + q + kv + out + swiglu + core + rope
 
 
@@ -145,29 +163,35 @@ def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
 def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
                      checkpointing: bool = False, partition_activations: bool = False,
                      flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1,
-                     schedule: str = "1f1b", virtual: int = 1) -> float:
+                     schedule: str = "1f1b", virtual: int = 1, document_mask: bool = False) -> float:
     """Activation bytes of one rank: A_r of the module docstring. With the 1F1B `schedule` `stage` is the
     rank's stage, and A_r = in-flight micro-batches x (its layers' activations, or with checkpointing their
     inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing one layer being recomputed.
     With "interleaved" (`virtual` = v chunks per rank) or "dualpipev" `stage` is the pipeline rank r, and
-    the rank's pass order weighs each of its stages σ by a_σ."""
+    the rank's pass order weighs each of its stages σ by a_σ. `document_mask` (and a window shorter than s in
+    `shape`): the shared attention masks of the module docstring."""
     if sequence_parallel and partition_activations:
         raise ValueError("sequence_parallel and partition_activations exclude each other")
-    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp)
+    mask = attention_mask_kind(shape, s, document_mask)
+    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask)
+    window_mask = 2 * s * s if mask == "window" else 0  # one per rank: (s, s) bf16
+    document_masks = 2 * b * s * s if mask == "documents" else 0  # one per micro-batch: (b, 1, s, s) bf16
     kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
     if checkpointing:
         kept = 2 * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
-        recompute = per_layer
+        recompute = per_layer + document_masks  # the recomputed layer builds its micro-batch's mask again
+    shared_per_micro_batch = 0 if checkpointing else document_masks
 
     def stage_bytes(sigma: int, stages: int) -> float:  # a_σ: what stage σ of `stages` keeps per micro-batch
         extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp) if sigma == stages - 1 else 0.0
         if sigma == 0:
             extra += input_layer_activation_bytes(shape, b, s, tp, cp)
-        return stage_layer_count(shape, stages, sigma) * kept + extra
+        layers = stage_layer_count(shape, stages, sigma)
+        return layers * kept + (shared_per_micro_batch if layers else 0) + extra
 
     if schedule == "1f1b":
-        return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute
+        return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute + window_mask
     check_schedule_stages(shape, pp, schedule, virtual)
     stages = num_stages(schedule, pp, virtual)
     weights = {sigma: stage_bytes(sigma, stages) for sigma in rank_stages(schedule, pp, stage, virtual)}
-    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute
+    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute + window_mask

@@ -63,7 +63,8 @@ def measure(run: dict, world: int) -> dict:
     from hybrid3d.training.trainer import build_trainer
     from hybrid3d.training.validation import validate_run
 
-    trainer = build_trainer(validate_run(ds_config(run["tp"], run["cp"], run["sp"], world), world, LlamaShape(**SHAPE)))
+    shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
+    trainer = build_trainer(validate_run(ds_config(run["tp"], run["cp"], run["sp"], world), world, shape))
     generator = torch.Generator().manual_seed(0)
 
     def batches():
@@ -73,7 +74,10 @@ def measure(run: dict, world: int) -> dict:
 
     data = batches()
     ids, targets = (sequence_shard(x, trainer.groups.context_parallel()) for x in next(data))
-    loss, activations = saved_activation_bytes(lambda: trainer.module.loss_fn(trainer.engine(ids), targets),
+    inputs = ids
+    if run.get("documents"):  # four packed documents per row, masked from each other
+        inputs = (ids, torch.arange(SEQ).remainder(SEQ // 4).expand(MICRO_BATCH, -1).contiguous())
+    loss, activations = saved_activation_bytes(lambda: trainer.module.loss_fn(trainer.engine(inputs), targets),
                                                list(trainer.module.parameters()))
     trainer.engine.backward(loss)
     trainer.engine.step()

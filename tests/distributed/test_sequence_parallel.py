@@ -18,7 +18,10 @@ from tests.distributed.sequence_worker import MICRO_BATCH, SEQ, SHAPE, measure_r
 
 WORLD = 2
 RUNS = [dict(name="TP1-DP2", tp=1, cp=1, sp=False), dict(name="TP2", tp=2, cp=1, sp=False),
-        dict(name="TP2+SP", tp=2, cp=1, sp=True), dict(name="CP2", tp=1, cp=2, sp=False)]
+        dict(name="TP2+SP", tp=2, cp=1, sp=True), dict(name="CP2", tp=1, cp=2, sp=False),
+        # masked attention: one shared mask, kv heads repeated (and RoPE's tables per token with documents)
+        dict(name="TP2-window", tp=2, cp=1, sp=False, window=16), dict(name="TP2-documents", tp=2, cp=1, sp=False,
+                                                                       documents=True)]
 # callers (the functions that issue the collective) by parallelism
 TP_CALLERS = {"_all_reduce", "backward", "all_gather_sequence", "reduce_scatter_sequence"}
 CP_CALLERS = {"single_all_to_all", "sequence_mean"}
@@ -41,8 +44,9 @@ def by_op(comms: dict, callers: set) -> dict:
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r["name"])
 def test_saved_activation_bytes_match_the_memory_model(measured, run):
-    shape = LlamaShape(**SHAPE)
-    model = activation_bytes(shape, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1, sequence_parallel=run["sp"], cp=run["cp"])
+    shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
+    model = activation_bytes(shape, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1, sequence_parallel=run["sp"], cp=run["cp"],
+                             document_mask=run.get("documents", False))
     got = measured[run["name"]]["activations"]
     assert abs(got - model) <= ACTIVATION_TOL * model, (got, model)
 

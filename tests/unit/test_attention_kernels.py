@@ -73,3 +73,11 @@ def test_every_block_of_a_micro_batch_shares_one_document_mask():
         model((ids, positions)).float().sum().backward()
     assert len(masks) == layers  # every block saved a mask for its backward ...
     assert len({mask.data_ptr() for mask in masks}) == 1  # ... and it is one tensor (old code: one per block)
+    # without grad (a checkpointed forward) nothing saves the mask, and the memo does not keep it alive either:
+    # the pipeline's input buffers would otherwise hold one per micro-batch in flight
+    from hybrid3d.model import masks as masks_module
+
+    masks.clear()  # the hook's references: the graph that saved them is gone
+    with torch.no_grad():
+        model((ids, positions))
+    assert masks_module._DOCUMENT_BIASES and all(ref() is None for ref in masks_module._DOCUMENT_BIASES.values())
