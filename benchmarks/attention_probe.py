@@ -104,7 +104,7 @@ def probe_case(case: str, shape: dict, dtype, device, repeats: int) -> dict:
 
 
 def markdown(rows: list, shape: dict, env: dict, command: str, dtype) -> str:
-    lines = [f"# SDPA kernels of hybrid3d's attention per mask case", "", environment_markdown(env, command),
+    lines = ["# SDPA kernels of hybrid3d's attention per mask case", "", environment_markdown(env, command),
              f"- shape: b {shape['batch']}, s {shape['seq']}, {shape['heads']} heads, {shape['kv']} kv heads, "
              f"head_dim {shape['head_dim']}, {dtype}; documents: {shape['documents']} per row; window "
              f"{shape['window']}; forward + backward, median of the repeats", "",

@@ -10,7 +10,7 @@ attributed to categories:
   logger's records (TP: hybrid3d's mappings and cross entropy; DP: DeepSpeed's gradient reduction and
   ZeRO's all-gather; PP: pipeline send/recv and the partitioned-activation all-gathers; control: norms,
   overflow checks, loss averaging); AutoTP's own layers count as TP;
-- `DeepSpeedEngine._take_model_step` is the optimizer range (its collectives keep their own class);
+- DeepSpeedEngine's model step (ds_internals/step_timing.py) is the optimizer range (its collectives keep their own class);
 - each event's self time goes to the innermost range it runs in; outside every range, `aten::` ops
   are compute, and what is left of the step's wall time is Python/framework overhead.
 
@@ -46,11 +46,10 @@ PREFIX = "cat::"
 
 
 def instrument():
-    """Wrap deepspeed.comm's collectives and the engine's optimizer step in named profiler ranges."""
+    """Wrap deepspeed.comm's collectives in named profiler ranges (the optimizer step: `around_model_steps`)."""
     import sys as _sys
 
     import deepspeed.comm as dist
-    from deepspeed.runtime.engine import DeepSpeedEngine
 
     def wrap(fn):
         @functools.wraps(fn)
@@ -66,14 +65,6 @@ def instrument():
     for name in COLLECTIVES:
         if hasattr(dist, name):
             setattr(dist, name, wrap(getattr(dist, name)))
-    step = DeepSpeedEngine._take_model_step
-
-    @functools.wraps(step)
-    def take_model_step(self, *args, **kwargs):
-        with torch.profiler.record_function(PREFIX + "optimizer"):
-            return step(self, *args, **kwargs)
-
-    DeepSpeedEngine._take_model_step = take_model_step
 
 
 def attribute(events, wall_s: float, steps: int) -> dict:
@@ -122,9 +113,12 @@ def profile_system(system: str, layout: str, precision: str, args, hf_model_dir:
 
 
 def world_main(rank, world_size, runs, args, hf_model_dir):
+    from hybrid3d.ds_internals.step_timing import around_model_steps
+
     instrument()
-    return {f"{system}@{layout}@{precision}": profile_system(system, layout, precision, args, hf_model_dir)
-            for system, layout, precision in runs}
+    with around_model_steps(lambda: torch.profiler.record_function(PREFIX + "optimizer")):
+        return {f"{system}@{layout}@{precision}": profile_system(system, layout, precision, args, hf_model_dir)
+                for system, layout, precision in runs}
 
 
 def chart(rows: list[dict], path: str) -> None:

@@ -10,22 +10,8 @@ import time
 
 import torch
 
+from hybrid3d.ds_internals.comms_callers import CALLER_CLASSES, TRAFFIC_CLASSES  # noqa: F401 (re-exported)
 from hybrid3d.parallel.spawn import run_world  # noqa: F401  (the benchmarks' spawned worlds)
-
-# Caller function of each logged collective (comms logger with `debug: true`) -> traffic class.
-# tp: hybrid3d.tensor_parallel's mappings and cross entropy; dp: DeepSpeed's gradient reduction and
-# ZeRO's parameter all-gather; pp: pipeline send/recv; pp_gather: PipelineEngine re-assembling
-# TP-partitioned activations/gradients; control: scalar reductions (norms, overflow, loss).
-CALLER_CLASSES = {
-    "_all_reduce": "tp", "_gather_last_dim": "tp",
-    "allreduce_bucket": "dp", "allreduce_and_copy": "dp", "all_gather_into_tensor_dp_groups": "dp",
-    "all_gather_dp_groups": "dp", "average_tensor": "dp", "reduce_scatter_coalesced": "dp",
-    "send": "pp", "recv": "pp", "full": "pp_gather", "_exec_reduce_tied_grads": "pp_tied",
-    "has_overflow": "control", "get_grad_norm_direct": "control", "get_weight_norm": "control",
-    "_model_parallel_all_reduce": "control", "_aggregate_total_loss": "control", "_dp_mean": "control",
-    "get_global_norm_of_tensors": "control", "get_global_norm": "control",
-}
-TRAFFIC_CLASSES = ("tp", "dp", "pp", "pp_gather", "pp_tied", "control", "other")
 
 
 def caller_of(record_name: str) -> str:

@@ -47,9 +47,8 @@ from common import (  # noqa: E402
 SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
              head_dim=32)
 BUCKET = 50_000  # elements: small against a stage, as a real bucket is against a real stage
-GRAD_CALLERS = {"allreduce_bucket", "allreduce_and_copy", "gradient_reduction_w_predivide", "average_tensor",
-                "buffered_allreduce_fallback", "allreduce_no_retain"}
-GATHER_CALLERS = {"all_gather_dp_groups", "all_gather_into_tensor_dp_groups"}
+from hybrid3d.ds_internals.comms_callers import GRADIENT_REDUCE_CALLERS as GRAD_CALLERS  # noqa: E402
+from hybrid3d.ds_internals.comms_callers import PARAMETER_GATHER_CALLERS as GATHER_CALLERS  # noqa: E402
 
 
 def configs(fractions) -> list[dict]:
@@ -138,7 +137,8 @@ def predicted(run: dict, dp: int, stage: int, args) -> tuple[float, float]:
     """(peak gradient bytes of the stage's worst DP rank by `hybrid3d.memory`, logged DP gradient-reduction
     bytes: 2Ψ once for ZeRO-1, 2·(m·Ψ_eager + Ψ_def) for ZeRO-2+PP)."""
     from hybrid3d.model import LlamaShape
-    from hybrid3d.planning.memory import _pipeline_zero2_deferred, rank_model_states, stage_parameter_numels
+    from hybrid3d.ds_internals.pipeline_zero2 import deferred_indices
+    from hybrid3d.planning.memory import rank_model_states, stage_parameter_numels
 
     shape = LlamaShape(**SHAPE)
     fraction = run.get("fraction", 0.0)
@@ -146,7 +146,7 @@ def predicted(run: dict, dp: int, stage: int, args) -> tuple[float, float]:
                                   pipeline_zero2=run["zero"] == 2, deferred_fraction=fraction).peak.grads
                 for r in range(dp))
     numels = stage_parameter_numels(shape, 1, 2, stage)
-    deferred = sum(numels[i] for i in _pipeline_zero2_deferred(numels, fraction))
+    deferred = sum(numels[i] for i in deferred_indices(numels, fraction))
     messages = 2 * sum(numels) if run["zero"] == 1 else 2 * (args.gas * (sum(numels) - deferred) + deferred)
     return grads, messages
 

@@ -18,7 +18,8 @@ import zipfile
 from pathlib import Path
 from typing import Optional
 
-from hybrid3d.checkpoint.files import MANIFEST_KEY, META_FILE, read_meta, write_meta
+from hybrid3d.checkpoint.files import META_FILE, read_meta, write_meta
+from hybrid3d.checkpoint.schema import MANIFEST_KEY, manifest
 from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
 from hybrid3d.errors import CheckpointError
 
@@ -83,4 +84,4 @@ def corrupted_archive(paths) -> Optional[str]:
 
 
 def archives_to_check(tag_dir: Path, meta: dict) -> list[Path]:
-    return [tag_dir / name for name in sorted(meta.get(MANIFEST_KEY) or {}) if name.endswith(".pt")]
+    return [tag_dir / name for name in sorted(manifest(meta)) if name.endswith(".pt")]

@@ -1,5 +1,5 @@
-"""The files of a hybrid3d checkpoint beside DeepSpeed's own: tag names, the per-tag hybrid3d.json,
-the HF config folder, pruning of old tags."""
+"""The files of a hybrid3d checkpoint beside DeepSpeed's own: tag names, the per-tag hybrid3d.json (its contents:
+schema.py), the HF config folder, pruning of old tags."""
 
 import json
 import os
@@ -13,7 +13,6 @@ from hybrid3d.ds_internals.durable_save import fsync_file
 META_FILE = "hybrid3d.json"  # per tag: layout, step, model config; readable without unpickling
 HF_FILES_DIR = "hf"  # per save_dir: the HF config and tokenizer, for export back to HF
 TAG_PREFIX = "global_step"
-MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
 
 
 def tag_for_step(step: int) -> str:

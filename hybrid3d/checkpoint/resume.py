@@ -5,7 +5,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from hybrid3d.checkpoint.files import MANIFEST_KEY, META_FILE, read_meta
+from hybrid3d.checkpoint.files import META_FILE, read_meta
+from hybrid3d.checkpoint.schema import is_module_only, manifest, saved_layout, structure
 from hybrid3d.errors import CheckpointError, ConfigError
 
 
@@ -51,7 +52,7 @@ def find_checkpoint(load: str, save_dir: Optional[str]) -> tuple[Path, str]:
 
 def check_manifest(tag_dir: Path, meta: dict) -> None:
     """Missing or truncated files (per the manifest written at commit) -> CheckpointError naming the file."""
-    for name, size in (meta.get(MANIFEST_KEY) or {}).items():
+    for name, size in manifest(meta).items():
         path = tag_dir / name
         if not path.is_file():
             raise CheckpointError(f"hybrid3d.checkpoint.load: {path} is missing (the checkpoint is incomplete)")
@@ -59,11 +60,6 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
         if actual != size:
             raise CheckpointError(f"hybrid3d.checkpoint.load: {path} has {actual} bytes, the manifest says {size} "
                               "(truncated or overwritten)")
-
-
-def recorded_schedule(pp: int, schedule: str, virtual: int) -> dict:
-    """The pipeline schedule as a checkpoint's layout records it (without a pipeline there is none: 1F1B)."""
-    return {"schedule": schedule, "virtual": virtual} if pp > 1 else {"schedule": "1f1b", "virtual": 1}
 
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
@@ -77,20 +73,20 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
     meta = read_meta(load_dir / tag)
     if meta is None:
         raise CheckpointError(f"hybrid3d.checkpoint.load: {load_dir / tag / META_FILE} is missing")
-    saved_shape = meta.get("shape", {})
-    differing = sorted(k for k in shape_dict if k in saved_shape and saved_shape[k] != shape_dict[k])
+    saved_shape, ours = structure(meta.get("shape", {})), structure(shape_dict)  # what a resume must match
+    differing = sorted(k for k in ours if k in saved_shape and saved_shape[k] != ours[k])
     if differing:
         first = differing[0]
         raise CheckpointError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds another model "
-                          f"({first}={saved_shape[first]}, this run has {shape_dict[first]})")
+                          f"({first}={saved_shape[first]}, this run has {ours[first]})")
     check_manifest(load_dir / tag, meta)
-    saved = meta["layout"]
-    module_only = bool(meta.get("module_only", False))
+    saved = saved_layout(meta)
+    module_only = is_module_only(meta)
     if module_only and (saved["tp"], saved["pp"]) != (tp, pp):
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
-    saved_layout = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("schedule", "1f1b"),
-                    saved.get("virtual", 1), saved.get("ep", 1))
-    universal = not module_only and saved_layout != (tp, pp, dp, cp, schedule, virtual, ep)
+    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("schedule", "1f1b"),
+                  saved.get("virtual", 1), saved.get("ep", 1))
+    universal = not module_only and written_at != (tp, pp, dp, cp, schedule, virtual, ep)
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

@@ -14,6 +14,7 @@ from hybrid3d.checkpoint.commit import (
     staging_tag,
 )
 from hybrid3d.checkpoint.files import prune_checkpoints, tag_for_step
+from hybrid3d.checkpoint.schema import training_client_state
 from hybrid3d.errors import CheckpointError, NonFiniteError, ReportedError
 
 
@@ -29,7 +30,7 @@ def weights_are_finite(module) -> bool:
 
 
 class CheckpointSaver:
-    """Saves through the commit protocol of `checkpoint_commit`; never saves non-finite weights."""
+    """Saves through the commit protocol of checkpoint/commit.py; never saves non-finite weights."""
 
     def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool):
         self.trainer = trainer
@@ -44,10 +45,10 @@ class CheckpointSaver:
             raise NonFiniteError(f"weights hold NaN or inf at step {step}; not saving a checkpoint")
         tag = tag_for_step(step)
         if self.is_rank0:
-            prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})
+            prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})  # TRAINING_KEYS
         dist.barrier()
         mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
-                                 client_state={"hybrid3d": {"step": step, "samples_consumed": samples, "rng": rng}})
+                                 client_state=training_client_state(step, samples, rng))
         written = [None] * dist.get_world_size()
         dist.all_gather_object(written, mine)  # also the barrier: every rank's files are on disk before the commit
         if self.is_rank0:

@@ -7,7 +7,9 @@ activation-checkpointing section is silently ignored); here each is one line nam
 import math
 
 from hybrid3d.config.sections import SECTION, HybridSection, positive_int
+from hybrid3d.config.support import check_schedule_with_pipeline_zero2
 from hybrid3d.errors import ConfigError
+from hybrid3d.parallel.pipeline_schedules import SCHEDULES
 
 
 def complete_batch_sizes(ds: dict, dp: int) -> None:
@@ -94,7 +96,7 @@ def check_nonfinite_policy(ds: dict, policy: str) -> None:
 
 
 def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
-    """The opt-in runs `hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`: ZeRO-2 in a pipeline, no offload."""
+    """The opt-in runs ds_internals/pipeline_zero2.py's `ZeRO2PipelineEngine`: ZeRO-2 in a pipeline, no offload."""
     key, fraction = f"{SECTION}.pipeline_zero2", hybrid.pipeline_zero2_deferred_fraction
     if fraction > 1:
         raise ConfigError(f"{key}_deferred_fraction must be between 0 and 1, got {fraction}")
@@ -113,7 +115,6 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 
-SCHEDULES = ("1f1b", "interleaved", "dualpipev")
 
 
 def turn_off_pipe_partitioning(ds: dict, needed_by: str) -> None:
@@ -151,9 +152,7 @@ def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
     if schedule == "interleaved" and gas % pp:
         raise ConfigError(f"{key}='interleaved' needs gradient_accumulation_steps ({gas}) divisible by "
                           f"pipeline_parallel_size ({pp}): micro-batches go through the chunks in groups of p")
-    if hybrid.pipeline_zero2:
-        raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {key}={schedule!r} "
-                          "(use zero_optimization.stage 1)")
+    check_schedule_with_pipeline_zero2(hybrid)
     turn_off_pipe_partitioning(ds, f"{key}={schedule!r}")
 
 
@@ -163,18 +162,6 @@ def check_evaluation(hybrid: HybridSection) -> None:
     if hybrid.train.eval_interval and not (hybrid.data.eval_path or hybrid.data.eval_fraction):
         raise ConfigError(f"{SECTION}.train.eval_interval needs {SECTION}.data.eval_path or "
                           f"{SECTION}.data.eval_fraction")
-
-
-def check_document_mask(hybrid: HybridSection) -> None:
-    """`data.document_mask` sends each token's position between pipeline stages with the hidden states; the
-    1F1B engine is tested with it (tests/distributed/test_finetune.py), the other schedules and pipeline_zero2
-    are not yet."""
-    if not hybrid.data.document_mask or hybrid.pipeline_parallel_size == 1:
-        return
-    if hybrid.pipeline_schedule != "1f1b" or hybrid.pipeline_zero2:
-        what = "pipeline_zero2" if hybrid.pipeline_zero2 else f"pipeline_schedule {hybrid.pipeline_schedule!r}"
-        raise ConfigError(f"{SECTION}.data.document_mask runs with pipeline_schedule '1f1b' and without "
-                          f"pipeline_zero2 only for now, not with {what}")
 
 
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:

@@ -8,7 +8,6 @@ from hybrid3d.config.ds_checks import (
     check_activation_checkpointing,
     check_expert_parallel,
     check_checkpoint_engine,
-    check_document_mask,
     check_evaluation,
     check_nonfinite_policy,
     check_pipeline_schedule,
@@ -18,6 +17,7 @@ from hybrid3d.config.ds_checks import (
     complete_batch_sizes,
 )
 from hybrid3d.config.ds_keys import check_deepspeed_keys
+from hybrid3d.config.support import check_document_mask
 from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section
 from hybrid3d.parallel.layout import ParallelLayout
 

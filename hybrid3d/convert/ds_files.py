@@ -46,10 +46,6 @@ def split_local_name(local_name: str) -> tuple[int, str]:
     return int(index), key
 
 
-def optimizer_files(tag_dir: Path) -> list[Path]:
-    return sorted(Path(tag_dir).glob(f"*{ds.OPTIM_FILE_SUFFIX}"))
-
-
 def resolve_tag_dir(checkpoint_dir: Path, tag: Optional[str] = None) -> tuple[Path, str]:
     """The tag folder: `<dir>/<tag>`, `<dir>/<contents of latest>`, or `<dir>` itself when it is
     already a tag folder (holds `mp_rank_00_model_states.pt`)."""

@@ -22,7 +22,7 @@ from transformers import GenerationConfig
 from hybrid3d.checkpoint.files import HF_FILES_DIR, read_meta
 from hybrid3d.convert import ds_files
 from hybrid3d.convert.hybrid_source import HybridCheckpoint
-from hybrid3d.convert.metadata import hf_config_from_section
+from hybrid3d.checkpoint.schema import hf_config_from_section
 from hybrid3d.convert.model_layout import hf_parameter_shapes
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size

@@ -17,9 +17,9 @@ Rows become {"input_ids": [...]} (pre-training: EOS-joined into one stream, Mega
 from typing import Optional
 
 from hybrid3d.errors import ConfigError
+from hybrid3d.parallel.tensor_parallel.cross_entropy import IGNORE_INDEX  # HF's label for "no loss here"
 
 KEY = "hybrid3d.data"
-IGNORE_INDEX = -100  # HF's label for "no loss here"
 
 
 def is_finetuning(columns: list[str], data_format: str) -> bool:

@@ -19,8 +19,8 @@ import numpy as np
 import torch
 
 from hybrid3d.errors import ConfigError
+from hybrid3d.parallel.tensor_parallel.cross_entropy import IGNORE_INDEX
 
-IGNORE_INDEX = -100
 
 
 @dataclass

@@ -8,7 +8,8 @@ and the engine's MoE detection in experts.py, the backward pass of tuple-output 
 the checkpoint engine's file writes in durable_save.py, the CPU shared-memory segments in shm_buffers.py,
 the process groups and engines a run leaves behind in process_groups.py, the Muon module's import-time
 `torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
-universal_convert.py,
+universal_convert.py, the comms logger's calling functions in comms_callers.py, the engine's optimizer step
+in step_timing.py, the grid's topology (`grid_topology`),
 PipelineModule's stage bounds below), so they are written and tested against one version:
 `check_deepspeed_version()` turns any other into one line at start-up.
 """
@@ -40,6 +41,11 @@ def pipeline_stage_layers(module) -> list[tuple[int, int]]:
     them private): one stage, or a DualPipeVModule's two (`phase_bounds`: stages r and 2p-1-r)."""
     bounds = getattr(module, "phase_bounds", [(module._local_start, module._local_stop)])
     return [(int(start), int(stop) - 1) for start, stop in bounds]
+
+
+def grid_topology(grid):
+    """The ProcessTopology a PipelineParallelGrid was built on (DeepSpeed keeps it as `_topo`)."""
+    return grid._topo
 
 
 @contextmanager

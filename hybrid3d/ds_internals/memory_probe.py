@@ -23,7 +23,6 @@ Wrappers and the attributes read (DeepSpeed 0.19):
 transient buffers that live only inside a reduction call (bucket flattening) are not model states.
 """
 
-from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -85,6 +84,11 @@ def _storage(t: torch.Tensor):
     return s.data_ptr(), s.nbytes()
 
 
+# Engine attributes holding a tensor outside the model states: the last gradient norm, a 0-d tensor (a census
+# reports it among the "other" names)
+ENGINE_SCALARS = frozenset({"_global_grad_norm"})
+
+
 def base_optimizer(optimizer):
     """The torch optimizer a wrapper steps (the optimizer itself when there is no wrapper)."""
     return getattr(optimizer, "optimizer", optimizer)
@@ -92,7 +96,7 @@ def base_optimizer(optimizer):
 
 def census(module: torch.nn.Module, optimizer, extra_grads=()) -> StateBytes:
     """Model-state bytes of `module` trained by `optimizer` (an engine's `.optimizer`); `extra_grads`:
-    gradient tensors held outside the optimizer (`hybrid3d.pipeline_zero2`'s deferred accumulators)."""
+    gradient tensors held outside the optimizer (the deferred accumulators of ds_internals/pipeline_zero2.py)."""
     seen = {}
     result = StateBytes()
 
@@ -144,7 +148,7 @@ class PeakProbe:
     - `boundary`: entry of the engine's `allreduce_gradients` (PipelineEngine with BF16_Optimizer:
       `_bf16_reduce_grads`) at the gradient-accumulation boundary,
       i.e. after the last micro-batch's backward and before the data-parallel reduction of
-      ZeRO-0/1 (ZeRO-2 has reduced all but its last bucket); for `hybrid3d.pipeline_zero2`, the
+      ZeRO-0/1 (ZeRO-2 has reduced all but its last bucket); for ds_internals/pipeline_zero2.py, the
       largest of the snapshots at its bucket reductions and epilogues;
     - `step`: entry of the base optimizer's `step()`, when the wrapper has built the fp32 gradient
       of its partition.
@@ -194,7 +198,3 @@ class PeakProbe:
             raise RuntimeError(f"no {'/'.join(missing)} snapshot: enable the probe around a whole training step")
         return max(self.snapshots.values(), key=lambda s: s.model_states)
 
-
-def count_other_names(snapshot: StateBytes) -> Counter:
-    """How many 'other' tensors each attribute contributed (for diagnosing an unknown buffer)."""
-    return Counter(name.split("[")[0].split(".")[0] for name in snapshot.other_names)

@@ -162,17 +162,21 @@ class TiedPartitionReduction:
                     view.narrow(0, a - start, b - a).copy_(buffer.narrow(0, a - lo, b - a))
 
 
-def deferred_parameters(optimizer, fraction: float) -> list:
-    """Parameters (bit16 group order, the same on every DP rank of a stage) taken while they fit in
-    `fraction` of the stage's gradient elements: [] for 0, all for 1; the share is at most `fraction`."""
-    params = [p for group in optimizer.bit16_groups for p in group if p.requires_grad]
-    budget = fraction * sum(p.numel() for p in params)
-    chosen = []
-    for p in params:
-        if p.numel() <= budget:
-            chosen.append(p)
-            budget -= p.numel()
+def deferred_indices(numels: list[int], fraction: float) -> list[int]:
+    """The rule (the engine's and the memory model's): in order, each parameter that still fits in `fraction` of
+    the stage's gradient elements is deferred: [] for 0, all for 1; the share is at most `fraction`."""
+    budget, chosen = fraction * sum(numels), []
+    for i, n in enumerate(numels):
+        if n <= budget:
+            chosen.append(i)
+            budget -= n
     return chosen
+
+
+def deferred_parameters(optimizer, fraction: float) -> list:
+    """`deferred_indices` of the parameters in bit16 group order (the same on every DP rank of a stage)."""
+    params = [p for group in optimizer.bit16_groups for p in group if p.requires_grad]
+    return [params[i] for i in deferred_indices([p.numel() for p in params], fraction)]
 
 
 class DeferredGradients:

@@ -31,17 +31,7 @@ from hybrid3d.parallel.tensor_parallel import (
     vocab_parallel_logits,
 )
 from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
-from hybrid3d.parallel.tensor_parallel.layers import normal_init
-
-
-def padded_vocab_init(shape: LlamaShape):
-    """Real vocabulary rows from N(0, std), padding rows zero (full padded tensor in, in place)."""
-
-    def init(full):
-        normal_init(shape.initializer_range)(full[:shape.vocab_size])
-        full[shape.vocab_size:].zero_()
-
-    return init
+from hybrid3d.parallel.tensor_parallel.layers import normal_init, padded_rows_init
 
 
 class Embedding(VocabParallelEmbedding):
@@ -94,7 +84,7 @@ class LMHead(ColumnParallelLinear):
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         padded = padded_vocab_size(shape.vocab_size, tp.size, shape.vocab_pad_multiple)
-        super().__init__(shape.hidden_size, padded, tp, init_method=padded_vocab_init(shape),
+        super().__init__(shape.hidden_size, padded, tp, init_method=padded_rows_init(normal_init(shape.initializer_range), shape.vocab_size),
                          device=device, dtype=dtype)
 
     def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through

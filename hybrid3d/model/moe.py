@@ -53,11 +53,6 @@ from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import draw_device, init_shard_, normal_init
 
 
-def router_stats_size(num_experts: int) -> int:
-    """Elements of `router_stats`: E counts, E probability sums, 1 row count."""
-    return 2 * num_experts + 1
-
-
 def layer_router_stats(probs: torch.Tensor, indices: torch.Tensor) -> torch.Tensor:
     """One layer's sums: probs (n, E) fp32, indices (n, k) -> (2E + 1,) fp32."""
     n, num_experts = probs.shape

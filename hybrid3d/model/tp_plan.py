@@ -16,12 +16,12 @@ refused (`check_split`).
 Mixture-of-experts blocks (Mixtral) replace the dense MLP by a router and E SwiGLU experts: each
 expert is split over TP exactly like the dense MLP (gate/up column-, down row-parallel), so every TP
 rank holds an f/t slice of every expert; the router (E x h) is replicated, so all TP ranks route
-every token alike. Expert parallelism (whole experts per rank) is not part of this plan yet.
+every token alike. Expert parallelism places whole experts per rank (parallel/expert_parallel.py): the TP split
+of each expert stays this plan's. Which MoE layouts and options run is config/support.py's.
 """
 
-from typing import Optional
-
-from hybrid3d.errors import ConfigError, LayoutError
+from hybrid3d.config.support import check_experts
+from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
 
 VOCAB, COLUMN, ROW, REPLICATED = "vocab", "column", "row", "replicated"
@@ -126,54 +126,8 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
             f"and context_parallel_size ({cp}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
-    check_experts(shape, t, pp, cp, ep)
+    check_experts(shape.num_experts, t, pp, cp, ep)
     if shape.num_layers < pp:
         raise LayoutError(
             f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({shape.num_layers}): "
             "every stage needs at least one decoder block")
-
-
-# Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
-TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)}
-
-
-def check_experts(shape: LlamaShape, t: int, pp: int, cp: int, ep: int) -> None:
-    """Expert parallelism splits whole experts (E divisible by ep); a dense model has none to split. MoE
-    layouts run only where tests compare them with HF (`TESTED_MOE_LAYOUTS`)."""
-    if ep > 1 and not shape.is_moe:
-        raise LayoutError(f"expert_parallel_size ({ep}) needs a mixture-of-experts model (num_local_experts > 0)")
-    if not shape.is_moe:
-        return
-    if shape.num_experts % ep:
-        raise LayoutError(f"num_local_experts ({shape.num_experts}) is not divisible by expert_parallel_size ({ep})")
-    if cp > 1 or (t, pp, ep) not in TESTED_MOE_LAYOUTS:
-        raise LayoutError(f"num_local_experts ({shape.num_experts}): tensor_parallel_size {t}, pipeline_parallel_size "
-                          f"{pp}, context_parallel_size {cp}, expert_parallel_size {ep} is not a tested "
-                          f"mixture-of-experts layout (tested (t, pp, ep): {sorted(TESTED_MOE_LAYOUTS)}, cp 1)")
-
-
-def check_moe_options(shape: LlamaShape, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
-                      pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
-                      capacity_factor: Optional[float] = None, document_mask: bool = False) -> None:
-    """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
-    travel between stages as the second tensor of the activation tuple. DeepSpeed's own PipelineEngine ran
-    backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
-    checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's engine for MoE stages runs
-    one pass (ds_internals/tuple_backward.py), but reentrant checkpointing under it is untested, so a pipeline
-    still checkpoints MoE blocks non-reentrantly. Sequence parallelism, the other schedules and
-    `pipeline_zero2` are untested with experts."""
-    if capacity_factor is not None and not (shape.is_moe and capacity_factor > 0):
-        raise ConfigError(f"hybrid3d.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
-                          "mixture-of-experts model")
-    if not shape.is_moe:
-        return
-    if sequence_parallel:
-        raise ConfigError("hybrid3d.sequence_parallel cannot be combined with a mixture-of-experts model yet")
-    if document_mask:
-        raise ConfigError("hybrid3d.data.document_mask is untested with a mixture-of-experts model, so refused for now")
-    if pp > 1 and (schedule != "1f1b" or pipeline_zero2):
-        raise ConfigError("a mixture-of-experts model runs with hybrid3d.pipeline_schedule '1f1b' and without "
-                          "hybrid3d.pipeline_zero2 only for now")
-    if pp > 1 and checkpoint_interval and use_reentrant:
-        raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
-                          "pipeline.activation_checkpoint_interval (reentrant checkpointing of the activation tuple is untested)")

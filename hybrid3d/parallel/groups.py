@@ -3,6 +3,7 @@
 import deepspeed.comm as dist
 from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
+from hybrid3d.ds_internals import grid_topology
 from hybrid3d.ds_internals.experts import create_expert_groups
 from hybrid3d.errors import LayoutError
 from hybrid3d.parallel.layout import ParallelLayout
@@ -19,11 +20,11 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"layout {layout.name} needs {layout.world_size} ranks (tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}"
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
-    context = _context_group(grid._topo, layout.cp) if layout.cp > 1 else ContextParallelGroup.single()
+    context = _context_group(grid_topology(grid), layout.cp) if layout.cp > 1 else ContextParallelGroup.single()
     groups = ProcessGroups(layout, grid, context)
     if layout.ep == 1:
         return groups
-    return ProcessGroups(layout, grid, context, _expert_group(groups, grid._topo, layout))
+    return ProcessGroups(layout, grid, context, _expert_group(groups, grid_topology(grid), layout))
 
 
 def _expert_group(mpu: "ProcessGroups", topology, layout: ParallelLayout) -> ExpertParallelGroup:

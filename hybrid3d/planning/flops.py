@@ -79,7 +79,3 @@ def mfu(tokens_per_second_per_device: float, shape: LlamaShape, seq_length: int,
         return None
     return tokens_per_second_per_device * training_flops_per_token(shape, seq_length) / (peak * 1e12)
 
-
-def achieved_tflops(tokens_per_second_per_device: float, shape: LlamaShape, seq_length: int) -> float:
-    """Model TFLOP/s per device."""
-    return tokens_per_second_per_device * training_flops_per_token(shape, seq_length) / 1e12

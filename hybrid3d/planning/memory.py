@@ -53,6 +53,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from hybrid3d.ds_internals import TIED_SUM_CHUNK_ELEMENTS
+from hybrid3d.ds_internals.pipeline_zero2 import deferred_indices
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import stage_bounds
 from hybrid3d.model.tp_plan import kv_rows_per_rank
@@ -227,7 +228,7 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     if zero == 1:
         grads = lp * psi + bucket
     elif precision == "bf16+fp32acc" and pipeline_zero2:
-        deferred = _pipeline_zero2_deferred(numels, deferred_fraction)
+        deferred = set(deferred_indices(numels, deferred_fraction))
         mine = _params_in_partition(numels, part, dp_rank)
         grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
         if tied_numel:  # the cross-stage sum, before the deferred gradients are released
@@ -264,16 +265,6 @@ def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucke
     held = whole if reduced & mine else 0
     held += sum(numels[i] for i in pending if numels[i] > bucket)
     return held + (whole if gas > 1 else 0)
-
-
-def _pipeline_zero2_deferred(numels: list[int], fraction: float) -> set[int]:
-    """Indices `hybrid3d.pipeline_zero2.deferred_parameters` picks: in order, each that still fits."""
-    budget, chosen = fraction * sum(numels), set()
-    for i, n in enumerate(numels):
-        if n <= budget:
-            chosen.add(i)
-            budget -= n
-    return chosen
 
 
 def _params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:

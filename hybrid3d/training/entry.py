@@ -13,7 +13,8 @@ import sys
 from pathlib import Path
 
 from hybrid3d.checkpoint.experts import check_expert_checkpoints
-from hybrid3d.checkpoint.resume import ResumePlan, plan_resume, recorded_schedule
+from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
+from hybrid3d.checkpoint.schema import recorded_schedule, saved_step as checkpoint_step, structure
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
 from hybrid3d.config.sections import parse_hybrid_section, read_json
 from hybrid3d.ds_internals import check_deepspeed_version
@@ -26,10 +27,6 @@ from hybrid3d.parallel.standalone import launch_hint, launched, use_single_proce
 from hybrid3d.training.model_source import resolve_model
 from hybrid3d.training.output_folder import check_output_folder
 from hybrid3d.training.validation import ValidRun, validate_run
-
-STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
-
 
 def parse_args(argv):
     parser = argparse.ArgumentParser(
@@ -110,8 +107,8 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     save_dir = Path(hybrid.checkpoint.save_dir or output_dir / "checkpoints")
     plan = None
     if hybrid.checkpoint.load:
-        structure = {k: getattr(shape, k) for k in STRUCTURAL_FIELDS}
-        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp, structure,
+        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp,
+                           structure(dataclasses.asdict(shape)),
                            cp=layout.cp, **recorded_schedule(layout.pp, hybrid.pipeline_schedule,
                                                                hybrid.virtual_pipeline_size), ep=layout.ep)
         if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
@@ -119,7 +116,7 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
                               f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
-    saved_step = int(plan.meta.get("step", 0)) if plan is not None and not plan.module_only else 0
+    saved_step = checkpoint_step(plan.meta) if plan is not None else 0
     if not args.eval_only and saved_step >= train.steps:
         raise ConfigError(f"hybrid3d.train.steps ({train.steps}) is not above the step of the checkpoint "
                           f"{plan.load_dir / plan.tag} ({saved_step}): nothing to train (raise train.steps, or "

@@ -1,6 +1,5 @@
 """The distributed part of the training job: data, engine, resume, the step loop, checkpoints."""
 
-import dataclasses
 import json
 import math
 import os
@@ -14,7 +13,7 @@ import numpy as np
 from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
-from hybrid3d.checkpoint.resume import recorded_schedule
+from hybrid3d.checkpoint.schema import client_section, layout_record, tag_record
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives, weights_are_finite
 from hybrid3d.checkpoint.universal import convert_to_universal, scratch_folder
 from hybrid3d.data import DataCursor, build_training_data, micro_batches
@@ -131,7 +130,7 @@ def load_checkpoint(trainer, plan, universal_dir: Path | None) -> dict:
         return {}
     if not client_state:
         raise ConfigError(f"hybrid3d.checkpoint.load: DeepSpeed found no checkpoint in {folder}")
-    return client_state.get("hybrid3d", {})
+    return client_section(client_state)
 
 
 def run_job(job, eval_only: bool, rank: int) -> int:
@@ -245,9 +244,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     peak = hybrid.train.peak_tflops or peak_tflops()
     logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
-    meta = {"layout": {"tp": layout.tp, "pp": layout.pp, "dp": layout.dp, "cp": layout.cp, "ep": layout.ep,
-                       **recorded_schedule(layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)},
-            "shape": dataclasses.asdict(job.shape), "hf_config": source.hf_config.to_dict(), "module_only": False}
+    meta = tag_record(layout_record(layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, hybrid.pipeline_schedule,
+                                    hybrid.virtual_pipeline_size), job.shape, source.hf_config, module_only=False)
     saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0)
     # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.
     cursor = DataCursor(int(client.get("samples_consumed", step * batch)))

@@ -1,10 +1,9 @@
-"""Build the TP Llama and hand it to DeepSpeed; one trainer interface for both engines.
+"""Build the TP Llama and hand it to DeepSpeed; one trainer interface for both kinds of engine.
 
-- pp > 1: PipelineModule + DeepSpeed's PipelineEngine (1F1B; DualPipeVModule + DualPipeVEngine with
-  `pipeline_schedule` "dualpipev"; hybrid3d's InterleavedPipelineModule + InterleavedPipelineEngine with
-  "interleaved"), ZeRO stage 0 or 1; stage 2 with the
-  `hybrid3d.pipeline_zero2` opt-in (`hybrid3d.pipeline_zero2.ZeRO2PipelineEngine`).
-- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`, ZeRO stage 0, 1 or 2.
+- pp > 1: a PipelineModule (or DeepSpeed's DualPipeVModule, hybrid3d's InterleavedPipelineModule) and a
+  pipeline engine: `PipelineTrainer`;
+- pp = 1: LlamaSequential + DeepSpeedEngine with the layout's `mpu`: `DataParallelTrainer`.
+Which engine serves which combination is training/engines.py's table.
 With context parallelism each rank feeds the model its s/c positions of every sequence (`sequence_shard`).
 
 DeepSpeed parses the `activation_checkpointing` JSON section but never applies it, so
@@ -13,12 +12,10 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 
 import contextlib
 import dataclasses
-import functools
 import json
 from pathlib import Path
 from typing import Iterator, Optional
 
-import deepspeed
 import deepspeed.comm as dist
 import torch
 from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
@@ -26,11 +23,12 @@ from deepspeed.runtime.activation_checkpointing import checkpointing as ds_check
 
 from hybrid3d.checkpoint.experts import check_expert_checkpoints, load_experts, save_experts
 from hybrid3d.checkpoint.files import read_meta
+from hybrid3d.checkpoint.schema import is_module_only
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
 from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig
 from hybrid3d.data.packing import MicroBatch
-from hybrid3d.ds_internals import interleaved_pipeline, pipeline_module_uses_grid, pipeline_zero2, tuple_backward
+from hybrid3d.ds_internals import pipeline_module_uses_grid
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.muon_import import import_muon_lazily
@@ -42,10 +40,10 @@ from hybrid3d.model.pipe import build_pipeline_module
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.pipeline_schedules import InterleavedSchedule
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
 from hybrid3d.parallel.tensor_parallel.layers import weights_loaded_later
 from hybrid3d.parallel.world import process_group_timeout
+from hybrid3d.training.engines import engine_for
 from hybrid3d.training.validation import ValidRun
 
 Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
@@ -54,12 +52,14 @@ Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
 class Trainer:
     """A DeepSpeed engine plus what the training loop needs to know about the layout."""
 
-    def __init__(self, engine, config: RunConfig, layout: ParallelLayout, groups: ProcessGroups, shape: LlamaShape):
+    def __init__(self, engine, config: RunConfig, layout: ParallelLayout, groups: ProcessGroups, shape: LlamaShape,
+                 loads_universal: bool = False):
         self.engine = engine
         self.config = config
         self.layout = layout
         self.groups = groups
         self.shape = shape
+        self.loads_universal = loads_universal  # the checkpoint it will load is DeepSpeed's universal one
 
     @property
     def module(self):
@@ -134,7 +134,7 @@ class Trainer:
 
     def _check_expert_checkpoint(self) -> None:
         check_expert_checkpoints(self.layout.ep, self.layout.pp,
-                                 universal=self.config.ds_config.get("checkpoint", {}).get("load_universal", False))
+                                 universal=self.loads_universal)
 
     def _is_module_only(self, load_dir: Path, tag: Optional[str]) -> bool:
         """The tag's hybrid3d.json says so; without one, a ZeRO checkpoint lacking `*optim_states.pt`
@@ -146,7 +146,7 @@ class Trainer:
             tag = latest.read_text().strip()
         meta = read_meta(load_dir / tag)
         if meta is not None:
-            return bool(meta.get("module_only", False))
+            return is_module_only(meta)
         return self.engine.zero_optimization() and not any((load_dir / tag).glob("*optim_states.pt"))
 
 
@@ -242,13 +242,13 @@ def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_univ
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     with new_groups_wait(process_group_timeout(config.hybrid.timeout_seconds)):  # every group DeepSpeed makes too
         draws = weights_loaded_later() if hf_state_dict is not None or checkpoint_follows else contextlib.nullcontext()
-        return _build(config, layout, shape, hf_state_dict, draws)
+        return _build(config, layout, shape, hf_state_dict, draws, load_universal)
 
 
 def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_state_dict: Optional[dict],
-           draws) -> Trainer:
+           draws, load_universal: bool) -> Trainer:
     groups = build_groups(layout)
-    tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
+    tp, cp = groups.tensor_parallel(), groups.context_parallel()
     if shape.is_moe and layout.pp > 1:
         # DeepSpeed's pipe/grad partitioning (on by default with TP) splits only outputs[0] of the (hidden,
         # router_stats) tuple; with it on, TP2 x PP2 stops on an AssertionError in PipelineEngine (measured).
@@ -264,14 +264,8 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
-    initialize = deepspeed.initialize
-    if shape.is_moe and layout.pp > 1:  # (hidden, router_stats) between stages: one backward pass, not two
-        initialize = tuple_backward.initialize
-    if config.hybrid.pipeline_schedule == "interleaved":  # Megatron's interleaved 1F1B on DeepSpeed's engine
-        initialize = functools.partial(interleaved_pipeline.initialize, schedule_cls=InterleavedSchedule)
-    if config.hybrid.pipeline_zero2:  # ZeRO-2 under the pipeline schedule (hybrid3d/pipeline_zero2.py)
-        initialize = functools.partial(pipeline_zero2.initialize,
-                                       deferred_fraction=config.hybrid.pipeline_zero2_deferred_fraction)
+    engine = engine_for(layout.pp > 1, config.hybrid.pipeline_schedule, config.hybrid.pipeline_zero2, shape.is_moe,
+                        config.hybrid.pipeline_zero2_deferred_fraction)
     parameters = [p for p in module.parameters() if p.requires_grad]
     experts = contextlib.nullcontext()
     if layout.ep > 1:  # expert parameters in their own groups, partitioned by ZeRO over expert data parallelism
@@ -279,7 +273,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
     import_muon_lazily()  # which DeepSpeed's optimizer set-up imports: its torch.compile calls at first use only
     with experts:
-        engine, _, _, _ = initialize(
+        engine, _, _, _ = engine.initialize(
             model=module,
             model_parameters=parameters,
             config=config.ds_config,
@@ -288,7 +282,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     if layout.pp > 1:  # the fp32, ZeRO-0 path's clipping miscounts pipeline gradients (pipeline_clip.py)
         use_exact_clipping(engine, groups)
     trainer_cls = PipelineTrainer if layout.pp > 1 else DataParallelTrainer
-    return trainer_cls(engine, config, layout, groups, shape)
+    return trainer_cls(engine, config, layout, groups, shape, load_universal)
 
 
 def _build_module(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, groups, seed: int):

@@ -6,7 +6,7 @@ Each rule has one owner and is checked here once, before any process group exist
   (its `config.ds_checks` functions hold the combinations of keys refused, each with its line);
 - the layout for the world size (divisibility, SP needs TP, EP divides DP): `parallel.layout.ParallelLayout`;
 - the layout against the model (heads, kv heads, vocabulary, layers per stage, experts): `model.tp_plan`
-  `check_split` and `check_moe_options`, `model.pipe.check_schedule_stages`;
+  `check_split`, `config.support.check_moe_options`, `model.pipe.check_schedule_stages`;
 - the sequence against the model's positions: below.
 The training job adds what it needs beyond a trainer (data, output folders, the checkpoint to resume):
 `training.entry.prepare`.
@@ -21,7 +21,8 @@ from hybrid3d.config.sections import HybridSection
 from hybrid3d.errors import ConfigError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.model.tp_plan import check_moe_options, check_split
+from hybrid3d.config.support import check_moe_options
+from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 
 
@@ -52,7 +53,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     if hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
-    check_moe_options(shape, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
+    check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
                       use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
                       document_mask=hybrid.data.document_mask)

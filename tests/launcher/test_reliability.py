@@ -235,7 +235,8 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
     The commit runs in a forked child of this process over the uninterrupted run's files, staged as the ranks
     leave them (`global_step8.incomplete`, `latest` at step 4); a rank killed -9 inside a launched job is
     test_kill_9_during_a_save_loses_nothing, the launcher's own handling of a dead rank the same test."""
-    from hybrid3d.checkpoint.files import MANIFEST_KEY, read_meta, write_meta
+    from hybrid3d.checkpoint.files import read_meta, write_meta
+    from hybrid3d.checkpoint.schema import MANIFEST_KEY
 
     config = demo_config(tmp_path)
     raw = json.loads(config.read_text())

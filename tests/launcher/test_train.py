@@ -1,6 +1,6 @@
 """The training entry point end to end through the `deepspeed` launcher, plus its input checks.
 
-Launches (each a few seconds of start-up on 2 cores) are shared through module fixtures:
+Launches (each 15-50 s on 2 cores, start-up ~13 s of it) are shared through module fixtures:
 one uninterrupted TP2xPP2 run, one run stopped by SIGTERM and resumed, and eval-only loads of
 the uninterrupted run's checkpoint at other layouts through the universal checkpoint.
 """

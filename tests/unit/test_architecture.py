@@ -101,3 +101,65 @@ def test_one_place_starts_the_world():
     assert callers == [], callers
     source = (PACKAGE / "parallel" / "world.py").read_text()
     assert source.index("set_device(") < source.index("init_distributed(")
+
+
+REPO = PACKAGE.parent
+# Files outside hybrid3d/ds_internals/ that name a DeepSpeed private, and why (nothing in the package itself)
+DEEPSPEED_PRIVATES_ALLOWED = {
+    ("tests/launcher/test_reliability.py", "_exit"): "os._exit, the standard library's (DeepSpeed has one too)",
+    ("hybrid3d/training/watchdog.py", "_exit"): "os._exit, the standard library's (DeepSpeed has one too)",
+    ("benchmarks/report.py", "_bytes"): "a column-name suffix of the results, not DeepSpeed's attribute",
+}
+
+
+def _privates_defined(paths) -> set:
+    """Single-underscore names a set of files defines: functions, classes, assigned attributes and names."""
+    names = set()
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def test_deepspeed_privates_are_named_inside_ds_internals_only():
+    """Outside the version-checked boundary (hybrid3d/ds_internals/), no module, benchmark or test names a private
+    of DeepSpeed's (an `x._name` attribute, an imported `_name`, or `"_name"` as a key, e.g. of the comms logger's
+    callers) unless DEEPSPEED_PRIVATES_ALLOWED says why. Names our own code outside the boundary defines are ours."""
+    import deepspeed
+
+    ours = [p for base in ("hybrid3d", "benchmarks", "tests", "launch") for p in (REPO / base).rglob("*.py")
+            if "ds_internals" not in p.parts and p != Path(__file__)]  # this file names them in its allowlist
+    deepspeed_privates = _privates_defined(Path(deepspeed.__file__).parent.rglob("*.py")) - _privates_defined(ours)
+    found = set()
+    for path in ours:
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Attribute):
+                names = [node.attr]
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deepspeed"):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.isidentifier():
+                names = [node.value]
+            found.update((str(path.relative_to(REPO)), n) for n in names if n in deepspeed_privates)
+    assert found <= set(DEEPSPEED_PRIVATES_ALLOWED), sorted(found - set(DEEPSPEED_PRIVATES_ALLOWED))
+
+
+def test_each_shared_constant_is_defined_once():
+    """A rule written twice drifts: each of these names is assigned at module level in exactly one module."""
+    shared = {"IGNORE_INDEX", "SCHEDULES", "SECTION", "CLIENT_SECTION", "MANIFEST_KEY", "META_FILE",
+              "STRUCTURAL_FIELDS", "TESTED_MOE_LAYOUTS", "TESTED_DEEPSPEED", "CALLER_CLASSES", "TRAFFIC_CLASSES"}
+    owners = {}
+    for name, path in modules().items():
+        for node in ast.parse(path.read_text()).body:
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+                node, ast.AnnAssign) else []
+            for target in targets:
+                if isinstance(target, ast.Name) and target.id in shared:
+                    owners.setdefault(target.id, []).append(name)
+    assert {k: v for k, v in owners.items() if len(v) > 1} == {}
+    assert set(owners) == shared, shared - set(owners)

@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from hybrid3d.config.sections import DataSection
 from hybrid3d.data import build_training_data, micro_batches
 from hybrid3d.data.builtin import builtin_tokenizer_path
-from hybrid3d.data.packing import IGNORE_INDEX
+from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
 from hybrid3d.data.pipeline import TokenizerSource
 from hybrid3d.errors import ConfigError
 

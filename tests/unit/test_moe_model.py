@@ -19,7 +19,8 @@ from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, loa
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import gather_hf_state_dict, unfuse_hf_experts
 from hybrid3d.model.moe import load_balancing_loss
-from hybrid3d.model.tp_plan import check_moe_options, check_split
+from hybrid3d.config.support import check_moe_options
+from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
 from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
 
@@ -214,17 +215,17 @@ def test_expert_parallel_config_refusals():
 
 def test_moe_option_refusals():
     shape = LlamaShape.from_hf(MixtralConfig(**TINY))
-    check_moe_options(shape, 2, checkpoint_interval=1, use_reentrant=False)
-    check_moe_options(shape, 1, checkpoint_interval=1)  # no pipeline: LlamaSequential backpropagates the tuple once
+    check_moe_options(shape.is_moe, 2, checkpoint_interval=1, use_reentrant=False)
+    check_moe_options(shape.is_moe, 1, checkpoint_interval=1)  # no pipeline: LlamaSequential backpropagates the tuple once
     for pp, options, key in ((2, dict(checkpoint_interval=1), "use_reentrant"),
                              (2, dict(schedule="dualpipev"), "pipeline_schedule"),
                              (2, dict(pipeline_zero2=True), "pipeline_zero2"),
                              (1, dict(sequence_parallel=True), "sequence_parallel")):
         with pytest.raises(ConfigError, match=key) as error:
-            check_moe_options(shape, pp, **options)
+            check_moe_options(shape.is_moe, pp, **options)
         assert "\n" not in str(error.value)
     dense = LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 0}))
-    check_moe_options(dense, 2, checkpoint_interval=1, schedule="dualpipev", sequence_parallel=True)
+    check_moe_options(dense.is_moe, 2, checkpoint_interval=1, schedule="dualpipev", sequence_parallel=True)
 
 
 def test_checkpoint_records_expert_parallel_size(tmp_path):
@@ -274,8 +275,8 @@ def test_expert_capacity_drops_like_the_rule(factor):
 
 def test_expert_capacity_config_refusals():
     with pytest.raises(ConfigError, match="expert_capacity_factor"):
-        check_moe_options(LlamaShape.from_hf(MixtralConfig(**TINY)), 1, capacity_factor=0.0)
+        check_moe_options(LlamaShape.from_hf(MixtralConfig(**TINY)).is_moe, 1, capacity_factor=0.0)
     dense = LlamaShape(vocab_size=203, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16)
     with pytest.raises(ConfigError, match="needs a mixture-of-experts model"):
-        check_moe_options(dense, 1, capacity_factor=1.25)
+        check_moe_options(dense.is_moe, 1, capacity_factor=1.25)

@@ -58,6 +58,16 @@ def normal_init(std: float, generator: Optional[torch.Generator] = None) -> Init
     return lambda w: nn.init.normal_(w, mean=0.0, std=std, generator=generator)
 
 
+def padded_rows_init(init: InitMethod, rows: int) -> InitMethod:
+    """`init` on the first `rows` rows of the full tensor (the real vocabulary), zero on the padding rows."""
+
+    def padded(full):
+        init(full[:rows])
+        full[rows:].zero_()
+
+    return padded
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}")
@@ -182,14 +192,9 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start = tp.rank * self.per_rank
         self.vocab_end = self.vocab_start + self.per_rank
         self.embedding_dim = embedding_dim
-        init = init_method or normal_init(0.02)
-
-        def init_with_zero_padding(full):
-            init(full[:vocab_size])
-            full[vocab_size:].zero_()
-
         self.weight = nn.Parameter(torch.empty(self.per_rank, embedding_dim, device=device, dtype=dtype))
-        init_shard_(self.weight, (self.padded_vocab_size, embedding_dim), 0, tp, init_with_zero_padding)
+        init_shard_(self.weight, (self.padded_vocab_size, embedding_dim), 0, tp,
+                    padded_rows_init(init_method or normal_init(0.02), vocab_size))
         mark_tensor_parallel(self.weight, 0)
 
     def forward(self, ids):  # (b, s) -> (b, s, h), or (b, s/t, h) with SP

@@ -1,0 +1,110 @@
+"""What a hybrid3d checkpoint records about itself, in one place: the per-tag `hybrid3d.json` (`tag_record`) and the
+`hybrid3d` entry of the client state inside DeepSpeed's model-states files (`client_state`); how each is built,
+and how each is read back. Every writer (the training job, the HF converter, the saver) and every reader (resume,
+the trainer, the converters) goes through these functions, so the two records cannot drift apart.
+
+hybrid3d.json (written atomically by files.write_meta, readable without unpickling):
+    layout       {tp, pp, dp, cp, ep, schedule, virtual}: the layout the files were written at (`layout_record`)
+    shape        the model's LlamaShape as a dict; a resume must match its STRUCTURAL_FIELDS, the rest may change
+    hf_config    the full HF config, so the checkpoint exports to HF without its original folder
+    module_only  weights only (a converted HF model): a fresh optimizer at step 0, same TP x PP only
+    step, samples_consumed   where training stood (`TRAINING_KEYS`, added per save)
+    files        the manifest: file -> bytes, written when the tag is committed (MANIFEST_KEY)
+
+The client state's `hybrid3d` entry (CLIENT_SECTION) carries the HF config and layout for converted checkpoints,
+and step, samples consumed and the RNG states for trained ones; DeepSpeed's universal-checkpoint info sits beside it.
+
+What a resume may change: the layout (resharded through DeepSpeed's universal checkpoint, checkpoint/universal.py),
+precision, optimizer and data settings, and any shape field outside STRUCTURAL_FIELDS (e.g. the vocabulary padding
+of the model, which the universal checkpoint strips, or dropout). A MoE checkpoint resumes at its own layout only.
+"""
+
+import dataclasses
+import json
+from typing import Optional
+
+from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
+
+from hybrid3d.checkpoint.universal import universal_checkpoint_info
+from hybrid3d.model.config import LlamaShape
+
+CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON's section of the same name)
+MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
+TRAINING_KEYS = ("step", "samples_consumed")
+# The shape fields that decide the tensors a checkpoint holds: a resume must match them all
+STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+
+
+def config_dict(hf_config) -> dict:
+    """The full HF config as plain JSON types (what `torch.load(weights_only=True)` accepts)."""
+    return json.loads(hf_config.to_json_string(use_diff=False))
+
+
+def recorded_schedule(pp: int, schedule: str, virtual: int) -> dict:
+    """The pipeline schedule as a checkpoint's layout records it (without a pipeline there is none: 1F1B)."""
+    return {"schedule": schedule, "virtual": virtual} if pp > 1 else {"schedule": "1f1b", "virtual": 1}
+
+
+def layout_record(tp: int, pp: int, dp: int = 1, cp: int = 1, ep: int = 1, schedule: str = "1f1b",
+                  virtual: int = 1) -> dict:
+    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, **recorded_schedule(pp, schedule, virtual)}
+
+
+def tag_record(layout: dict, shape: LlamaShape, hf_config, module_only: bool, **training) -> dict:
+    """hybrid3d.json's contents before the saver adds `TRAINING_KEYS` and the commit adds the manifest."""
+    unknown = set(training) - set(TRAINING_KEYS)
+    if unknown:
+        raise ValueError(f"not a hybrid3d.json training key: {sorted(unknown)}")
+    return {"layout": layout, "shape": dataclasses.asdict(shape), "hf_config": config_dict(hf_config),
+            "module_only": module_only, **training}
+
+
+def structure(shape_fields: dict) -> dict:
+    """The STRUCTURAL_FIELDS of a shape (a LlamaShape's dict, or a record's `shape`)."""
+    return {k: shape_fields[k] for k in STRUCTURAL_FIELDS if k in shape_fields}
+
+
+def saved_layout(record: dict) -> dict:
+    return record["layout"]
+
+
+def is_module_only(record: dict) -> bool:
+    return bool(record.get("module_only", False))
+
+
+def saved_step(record: dict) -> int:
+    """The step a trained checkpoint stood at (0 for weights only)."""
+    return 0 if is_module_only(record) else int(record.get("step", 0))
+
+
+def manifest(record: dict) -> dict:
+    return record.get(MANIFEST_KEY) or {}
+
+
+def client_state(hf_config, shape: LlamaShape, tp: int, pp: int, *, converted_from: Optional[str] = None,
+                 module_only: bool = False) -> dict:
+    """The client state of a converted checkpoint: DeepSpeed's universal-checkpoint info and our section."""
+    section = {"hf_config": config_dict(hf_config), "layout": {"tp": tp, "pp": pp},
+               "vocab_pad_multiple": shape.vocab_pad_multiple, "module_only": module_only}
+    if converted_from is not None:
+        section["converted_from"] = converted_from
+    return {UNIVERSAL_CHECKPOINT_INFO: universal_checkpoint_info(shape, tp), CLIENT_SECTION: section}
+
+
+def training_client_state(step: int, samples_consumed: int, rng: dict) -> dict:
+    """The client state a training save adds: where training stood and every generator's state."""
+    return {CLIENT_SECTION: {"step": step, "samples_consumed": samples_consumed, "rng": rng}}
+
+
+def client_section(client_state: Optional[dict]) -> dict:
+    """Our entry of a loaded client state ({} when there is none)."""
+    return (client_state or {}).get(CLIENT_SECTION) or {}
+
+
+def hf_config_from_section(section: Optional[dict]):
+    """The HF config stored by `client_state` (or a hybrid3d.json record), or None when there is none."""
+    from transformers import AutoConfig
+
+    stored = (section or {}).get("hf_config")
+    return AutoConfig.for_model(**stored) if stored else None

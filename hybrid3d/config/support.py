@@ -1,0 +1,85 @@
+"""The support table: which combinations of features hybrid3d runs, and a one-line refusal for each of the others.
+
+A combination runs when a test compares it with Hugging Face (the equivalence matrix, tests/distributed/) or it is
+impossible by construction; everything else is refused here, before anything is built, naming the keys. The engine
+that serves each supported combination is training/engines.py's table; the layout's arithmetic (heads, kv heads,
+layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check_schedule_stages`.
+
+    feature                     refused with
+    mixture of experts          CP; SP; document masks; a pipeline schedule other than 1F1B; pipeline_zero2;
+                                reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS
+    document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
+    interleaved / DualPipeV     pipeline_zero2
+"""
+
+from typing import Optional
+
+from hybrid3d.config.sections import SECTION, HybridSection
+from hybrid3d.errors import ConfigError, LayoutError
+
+# Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
+TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)}
+
+
+def check_experts(num_experts: int, t: int, pp: int, cp: int, ep: int) -> None:
+    """Expert parallelism splits whole experts (E divisible by ep); a dense model (E = 0) has none to split. MoE
+    layouts run only where tests compare them with HF (`TESTED_MOE_LAYOUTS`)."""
+    if ep > 1 and not num_experts:
+        raise LayoutError(f"expert_parallel_size ({ep}) needs a mixture-of-experts model (num_local_experts > 0)")
+    if not num_experts:
+        return
+    if num_experts % ep:
+        raise LayoutError(f"num_local_experts ({num_experts}) is not divisible by expert_parallel_size ({ep})")
+    if cp > 1 or (t, pp, ep) not in TESTED_MOE_LAYOUTS:
+        raise LayoutError(f"num_local_experts ({num_experts}): tensor_parallel_size {t}, pipeline_parallel_size "
+                          f"{pp}, context_parallel_size {cp}, expert_parallel_size {ep} is not a tested "
+                          f"mixture-of-experts layout (tested (t, pp, ep): {sorted(TESTED_MOE_LAYOUTS)}, cp 1)")
+
+
+def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
+                      pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
+                      capacity_factor: Optional[float] = None, document_mask: bool = False) -> None:
+    """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
+    travel between stages as the second tensor of the activation tuple. DeepSpeed's own PipelineEngine ran
+    backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
+    checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's engine for MoE stages runs
+    one pass (ds_internals/tuple_backward.py), but reentrant checkpointing under it is untested, so a pipeline
+    still checkpoints MoE blocks non-reentrantly. Sequence parallelism, the other schedules and
+    `pipeline_zero2` are untested with experts."""
+    if capacity_factor is not None and not (is_moe and capacity_factor > 0):
+        raise ConfigError(f"{SECTION}.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
+                          "mixture-of-experts model")
+    if not is_moe:
+        return
+    if sequence_parallel:
+        raise ConfigError(f"{SECTION}.sequence_parallel cannot be combined with a mixture-of-experts model yet")
+    if document_mask:
+        raise ConfigError(f"{SECTION}.data.document_mask is untested with a mixture-of-experts model, so refused "
+                          "for now")
+    if pp > 1 and (schedule != "1f1b" or pipeline_zero2):
+        raise ConfigError(f"a mixture-of-experts model runs with {SECTION}.pipeline_schedule '1f1b' and without "
+                          f"{SECTION}.pipeline_zero2 only for now")
+    if pp > 1 and checkpoint_interval and use_reentrant:
+        raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
+                          "pipeline.activation_checkpoint_interval (reentrant checkpointing of the activation tuple "
+                          "is untested)")
+
+
+def check_document_mask(hybrid: HybridSection) -> None:
+    """`data.document_mask` sends each token's position between pipeline stages with the hidden states; the
+    1F1B engine is tested with it (tests/distributed/test_finetune.py), the other schedules and pipeline_zero2
+    are not yet."""
+    if not hybrid.data.document_mask or hybrid.pipeline_parallel_size == 1:
+        return
+    if hybrid.pipeline_schedule != "1f1b" or hybrid.pipeline_zero2:
+        what = "pipeline_zero2" if hybrid.pipeline_zero2 else f"pipeline_schedule {hybrid.pipeline_schedule!r}"
+        raise ConfigError(f"{SECTION}.data.document_mask runs with pipeline_schedule '1f1b' and without "
+                          f"pipeline_zero2 only for now, not with {what}")
+
+
+def check_schedule_with_pipeline_zero2(hybrid: HybridSection) -> None:
+    """pipeline_zero2's engine subclasses DeepSpeed's 1F1B PipelineEngine; the other schedules have engines of
+    their own."""
+    if hybrid.pipeline_zero2 and hybrid.pipeline_schedule != "1f1b":
+        raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {SECTION}.pipeline_schedule="
+                          f"{hybrid.pipeline_schedule!r} (use zero_optimization.stage 1)")

@@ -1,0 +1,23 @@
+"""The functions that issue collectives, by traffic class, as DeepSpeed's comms logger records them (`debug: true`
+names each record's calling function): many are DeepSpeed's own (private ones included), so the table lives here,
+checked against one version, not in the benchmarks that classify the records.
+
+tp: hybrid3d's tensor-parallel mappings and cross entropy; dp: DeepSpeed's gradient reduction and ZeRO's
+parameter all-gather; pp: pipeline send/recv; pp_gather: PipelineEngine re-assembling TP-partitioned
+activations/gradients; pp_tied: the tied weights' gradient sum; control: scalar reductions (norms, overflow, loss).
+"""
+
+CALLER_CLASSES = {
+    "_all_reduce": "tp", "_gather_last_dim": "tp",
+    "allreduce_bucket": "dp", "allreduce_and_copy": "dp", "all_gather_into_tensor_dp_groups": "dp",
+    "all_gather_dp_groups": "dp", "average_tensor": "dp", "reduce_scatter_coalesced": "dp",
+    "send": "pp", "recv": "pp", "full": "pp_gather", "_exec_reduce_tied_grads": "pp_tied",
+    "has_overflow": "control", "get_grad_norm_direct": "control", "get_weight_norm": "control",
+    "_model_parallel_all_reduce": "control", "_aggregate_total_loss": "control", "_dp_mean": "control",
+    "get_global_norm_of_tensors": "control", "get_global_norm": "control",
+}
+TRAFFIC_CLASSES = ("tp", "dp", "pp", "pp_gather", "pp_tied", "control", "other")
+# ZeRO's gradient reduction and parameter all-gather, by the function DeepSpeed 0.19.8 issues them from
+GRADIENT_REDUCE_CALLERS = {"allreduce_bucket", "allreduce_and_copy", "gradient_reduction_w_predivide", "average_tensor",
+                           "buffered_allreduce_fallback", "allreduce_no_retain"}
+PARAMETER_GATHER_CALLERS = {"all_gather_dp_groups", "all_gather_into_tensor_dp_groups"}
