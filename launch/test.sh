@@ -4,4 +4,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
 python -m pip install --quiet -e ".[test]"
+# The two-host launcher tests (tests/launcher/two_hosts.py) need sshd, pdsh and ip; as root on Debian, install
+# them here (not during the run). Without them those tests skip, saying so.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+    && ! { [ -x /usr/sbin/sshd ] && command -v pdsh >/dev/null && command -v ip >/dev/null; }; then
+  { DEBIAN_FRONTEND=noninteractive apt-get update -q && DEBIAN_FRONTEND=noninteractive \
+      apt-get install -y -q openssh-server pdsh iproute2; } >/dev/null 2>&1 || echo "note: apt-get could not install sshd, pdsh, ip"
+fi
 exec python -m pytest -q "$@"

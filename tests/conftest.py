@@ -12,7 +12,7 @@ SLOW_FOLDERS = ("distributed", "launcher", "gpu")
 def pytest_sessionfinish(session, exitstatus):
     import sys
 
-    pool = sys.modules.get("tests.distributed")  # imported only when a test used the spawned worlds
+    pool = sys.modules.get("tests.distributed.worlds")  # imported only when a test used the spawned worlds
     if pool is not None:
         pool.SESSION_POOL.close()
 

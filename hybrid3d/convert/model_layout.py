@@ -16,7 +16,7 @@ from hybrid3d.model.hf_weights import unfuse_hf_experts
 
 from hybrid3d.model.llama import LlamaSequential
 from hybrid3d.model.pipe import stage_bounds
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 # No collective runs while modules are built on the meta device, so a TP rank's layers can be
 # described without a process group.

@@ -40,13 +40,17 @@ class PackedSamples:
     def sample(self, index: int) -> np.ndarray:  # (s + 1,)
         return self._window(self.tokens, index)
 
-    def targets(self, index: int, document_mask: bool) -> np.ndarray:
-        """(s,) int64 next-token targets of sample `index`, IGNORE_INDEX where the loss takes none."""
-        window = self.sample(index).astype(np.int64)
+    def counted(self, index: int, document_mask: bool) -> np.ndarray:
+        """(s,) bool: the targets of sample `index` the loss counts (read from the masks only, not the tokens)."""
         counted = np.ones(self.seq_length, dtype=bool) if self.learn is None else self._window(self.learn, index)[1:] > 0
         if document_mask and self.starts is not None:
             counted &= self._window(self.starts, index)[1:] == 0
-        return np.where(counted, window[1:], IGNORE_INDEX)
+        return counted
+
+    def targets(self, index: int, document_mask: bool) -> np.ndarray:
+        """(s,) int64 next-token targets of sample `index`, IGNORE_INDEX where the loss takes none."""
+        window = self.sample(index).astype(np.int64)
+        return np.where(self.counted(index, document_mask), window[1:], IGNORE_INDEX)
 
     def positions(self, index: int) -> np.ndarray:
         """(s,) int64: each input token's position in its document, restarting at 0 at every document start
@@ -73,16 +77,18 @@ class MicroBatch(NamedTuple):
 def micro_batches(samples: PackedSamples, first_sample: int, global_batch: int, dp_rank: int, dp: int,
                   micro_batch: int, document_mask: bool = False):
     """Iterator over the MicroBatch of DP rank `dp_rank` in the global batch of samples
-    [first_sample, first_sample + global_batch): rank r reads its B/d consecutive samples."""
+    [first_sample, first_sample + global_batch): rank r reads its B/d consecutive samples' tokens. A generator:
+    nothing is read until the engine asks for a micro-batch, which DeepSpeed's PipelineEngine does on the first
+    and last stages only (`set_dataiterator`, deepspeed 0.19.8 runtime/pipe/engine.py:647)."""
     share = global_batch // dp
     first = first_sample + dp_rank * share
     ids = torch.from_numpy(np.stack([samples.sample(first + j)[:-1] for j in range(share)]).astype(np.int64))
-    if samples.learn is None and not document_mask:  # every target counts: no need to read the other shares
-        targets = np.stack([samples.targets(first + j, document_mask) for j in range(share)])
+    targets = np.stack([samples.targets(first + j, document_mask) for j in range(share)])
+    if samples.learn is None and not document_mask:  # every target counts
         counted = global_batch * samples.seq_length
-    else:  # the loss's denominator counts the whole global batch (every DP rank's share); this rank's rows of it
-        every = np.stack([samples.targets(first_sample + j, document_mask) for j in range(global_batch)])
-        targets, counted = every[dp_rank * share:(dp_rank + 1) * share], int((every != IGNORE_INDEX).sum())
+    else:  # the loss's denominator counts the whole global batch: the other shares' masks (1 byte a token), not
+        # their tokens
+        counted = int(sum(samples.counted(first_sample + j, document_mask).sum() for j in range(global_batch)))
     targets = torch.from_numpy(np.ascontiguousarray(targets))
     if counted == 0:
         raise ConfigError(f"hybrid3d.data: samples {first_sample}-{first_sample + global_batch - 1} (one global batch) "

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import EMBEDDING, FINAL_NORM, LM_HEAD, REPLICATED, ROW, VOCAB, block_kind, block_weights
 from hybrid3d.parallel.tensor_parallel import padded_vocab_size
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 MIXTRAL_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # hybrid3d -> HF
 # transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding

@@ -30,7 +30,7 @@ from hybrid3d.parallel.tensor_parallel import (
     padded_vocab_size,
     vocab_parallel_logits,
 )
-from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
+from hybrid3d.parallel.rank_groups import ExpertParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import normal_init, padded_rows_init
 
 

@@ -16,7 +16,7 @@ from hybrid3d.model.activations import split_activations
 from hybrid3d.model.moe import load_balancing_loss, router_tally
 from hybrid3d.parallel.context_parallel import sequence_mean
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
 class LanguageModelLoss:

@@ -49,7 +49,7 @@ from hybrid3d.parallel.tensor_parallel import (
     copy_to_tp_region,
     reduce_from_tp_region,
 )
-from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
+from hybrid3d.parallel.rank_groups import ExpertParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import draw_device, init_shard_, normal_init
 
 

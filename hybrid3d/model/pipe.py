@@ -19,7 +19,7 @@ from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, seed_layer, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).

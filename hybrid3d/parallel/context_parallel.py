@@ -14,7 +14,7 @@ from typing import Optional
 import deepspeed.comm as dist
 import torch
 
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup
+from hybrid3d.parallel.rank_groups import ContextParallelGroup
 
 
 def sequence_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import deepspeed.comm as dist
 import torch
 
-from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
+from hybrid3d.parallel.rank_groups import ExpertParallelGroup
 
 
 class AllToAll(torch.autograd.Function):

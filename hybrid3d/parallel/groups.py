@@ -7,7 +7,7 @@ from hybrid3d.ds_internals import grid_topology
 from hybrid3d.ds_internals.experts import create_expert_groups
 from hybrid3d.errors import LayoutError
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
 def build_groups(layout: ParallelLayout) -> "ProcessGroups":

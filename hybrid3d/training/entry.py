@@ -24,7 +24,7 @@ from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import param_specs
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
-from hybrid3d.training.model_source import resolve_model
+from hybrid3d.training.model_source import ModelSource, resolve_model
 from hybrid3d.training.output_folder import check_output_folder
 from hybrid3d.training.validation import ValidRun, validate_run
 
@@ -47,7 +47,7 @@ class Job:
 
     raw: dict
     run: ValidRun
-    source: object
+    source: ModelSource
     save_dir: Path
     output_dir: Path
     plan: ResumePlan | None

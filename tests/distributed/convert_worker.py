@@ -24,7 +24,7 @@ def train_from_converted(job: dict) -> dict:
     trainer = build_trainer(validate_run(config, dist.get_world_size(), shape))  # random init, then load
     client = trainer.load(job["checkpoint"])
     steps_after_load = trainer.global_steps
-    dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
+    dp_rank, dp = trainer.groups.data_shard()  # d, not DeepSpeed's d·c: the CP ranks of a shard read alike
     first_eval = trainer.eval_step(micro_batches(EVAL_STEP, dp_rank, dp))
     losses = [trainer.train_step(micro_batches(step, dp_rank, dp)) for step in range(STEPS)]
     last_eval = trainer.eval_step(micro_batches(EVAL_STEP, dp_rank, dp))

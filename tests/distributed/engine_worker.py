@@ -3,10 +3,10 @@
 import gc
 
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
-from tests.unit.test_weight_draws import DrawCounter
+from tests.counters import DrawCounter
 
 
 def run_one(run: dict, model_dirs: dict) -> dict:

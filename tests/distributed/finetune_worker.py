@@ -18,7 +18,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import CLIP, GLOBAL_BATCH, OPTIM, SEQ, STEPS, WARMUP, ds_config
 from tests.tiny_llama import load_hf
 

@@ -5,7 +5,7 @@ import gc
 
 import torch
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 
 SHAPES = {
     # GQA, untied: kv heads split over TP.

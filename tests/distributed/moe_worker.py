@@ -13,14 +13,11 @@ import os
 
 import torch
 import torch.nn.functional as F
-from transformers import MixtralConfig, MixtralForCausalLM
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, STEPS, global_batch, micro_batches
+from tests.tiny_mixtral import load_mixtral
 
-MIXTRAL = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-               num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
-               max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
 # As tests/unit/test_moe_model.py: Adam divides by sqrt(v) + eps, and a gradient element that cancels to ~1e-9
 # turns fp32 rounding into a visible step at eps 1e-8; eps 1e-6 and lr 1e-3 keep that far below the tolerance.
 ADAMW = dict(lr=1e-3, betas=[0.9, 0.95], eps=1e-6, weight_decay=0.1)
@@ -56,24 +53,6 @@ def capacity_reference(factor: float):
         yield
     finally:
         MixtralSparseMoeBlock.forward = saved
-
-
-def make_mixtral(directory, seed: int = 0, **overrides) -> None:
-    """A random tiny Mixtral with non-trivial norms and decisive routing, written with `save_pretrained`."""
-    torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL, **overrides}))
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-            elif name.endswith("mlp.gate.weight"):
-                p.normal_(0.0, 0.3)
-    model.save_pretrained(directory)
-
-
-def load_mixtral(directory, **overrides) -> MixtralForCausalLM:
-    return MixtralForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager",
-                                              **overrides).train()
 
 
 def reference_run(directory, steps: int = STEPS, **overrides) -> dict:

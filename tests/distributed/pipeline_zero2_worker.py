@@ -10,7 +10,7 @@ start from, at step `start`), `probe` (count gradient bytes during the second st
 import gc
 
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
 
@@ -47,7 +47,7 @@ def _weights(trainer) -> dict:
 
 
 def _train(trainer, forwards, steps, probe=None) -> tuple[list, list]:
-    dp, dp_rank = trainer.layout.dp, trainer.groups.get_data_parallel_rank()
+    dp_rank, dp = trainer.groups.data_shard()  # d, not DeepSpeed's d·c: the CP ranks of a shard read alike
     losses, forwards_per_step = [], []
     for step in steps:
         if probe is not None:

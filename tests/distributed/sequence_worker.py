@@ -6,7 +6,7 @@ import gc
 
 import torch
 
-from tests.distributed import each_run
+from tests.distributed.worlds import each_run
 
 SHAPE = dict(vocab_size=203, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=16)

@@ -22,7 +22,8 @@ from hybrid3d.convert.__main__ import main as convert_main
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 from hybrid3d.errors import CheckpointError, ConversionError
-from tests.distributed import run_world
+from tests.distributed.reports import read_safetensors_folder
+from tests.distributed.worlds import run_world
 from tests.distributed.convert_worker import EVAL_STEP, convert_world
 from tests.distributed.engine_runs import STEPS, global_batch, hf_reference_run
 from tests.tiny_llama import load_hf, make_hf_llama, max_rel_error
@@ -58,13 +59,6 @@ def sources(tmp_path_factory) -> dict:
     return dirs
 
 
-def read_safetensors_folder(directory: Path) -> dict:
-    tensors = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(path))
-    return tensors
-
-
 # (case, tp, pp): kv heads split (gqa tp2) and replicated (gqa tp4 > 2 kv heads, mqa tp2),
 # tied embeddings at pp 1 and across 4 stages, one decoder block per stage at pp 4.
 ROUND_TRIPS = [("gqa_llama3", 4, 4), ("gqa_llama3", 2, 1), ("mha_tied", 1, 2), ("mha_tied", 4, 4), ("mha_tied", 2, 1),
@@ -79,7 +73,7 @@ def test_mixtral_round_trip_is_bit_exact(tmp_path):
     from transformers import MixtralForCausalLM
 
     from hybrid3d.errors import LayoutError
-    from tests.distributed.moe_worker import make_mixtral
+    from tests.tiny_mixtral import make_mixtral
 
     source = tmp_path / "mixtral"
     make_mixtral(source)

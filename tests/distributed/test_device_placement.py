@@ -9,7 +9,7 @@ set to "meta", so a tensor created without `device=` is a meta tensor, and a gua
 
 import pytest
 
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce", "reduce_scatter",
                "reduce_scatter_tensor", "send", "recv", "isend", "irecv")

@@ -8,11 +8,12 @@ from collections import Counter
 import pytest
 import torch
 
-from tests.distributed import run_worlds_by_size
+from tests.distributed.worlds import run_worlds_by_size
 from tests.distributed.engine_runs import MICRO_BATCH, OPTIM, SEQ, STEPS, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
 from tests.tiny_llama import load_hf, make_training_models, max_rel_error
+from tests.distributed.reports import merged_weights
 
 FIRST_LOSS_TOL = 1e-5
 RUN_TOL = 1e-4
@@ -153,17 +154,6 @@ def results(tmp_path_factory):
 @pytest.fixture(scope="module")
 def bf16_results(tmp_path_factory):
     return train_worlds(tmp_path_factory.mktemp("engine_bf16"), BF16_WORLD)
-
-
-def merged_weights(rank_reports):
-    """Full HF-named weights assembled from the stage-local reports of every rank."""
-    merged = {}
-    for report in rank_reports:
-        for name, tensor in report["weights"].items():
-            if name in merged:
-                assert torch.equal(merged[name], tensor), f"{name} differs between ranks holding it"
-            merged[name] = tensor
-    return merged
 
 
 @pytest.mark.parametrize("run", matrix_runs(), ids=lambda r: r["name"])

@@ -13,11 +13,12 @@ import torch.nn.functional as F
 
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 
-from tests.distributed import run_worlds_by_size
+from tests.distributed.worlds import run_worlds_by_size
 from tests.distributed.engine_runs import OPTIM, STEPS, WARMUP, global_batch, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.tiny_families import FAMILIES, HF_CLASSES, make_family_models
 from tests.tiny_llama import load_hf, max_rel_error
+from tests.distributed.reports import merged_weights
 
 TOL = 1e-5  # the issue's bound on losses and weights after 5 fp32 steps, relative to each tensor's scale
 
@@ -126,11 +127,7 @@ def results(tmp_path_factory):
 def errors(ref, reports) -> tuple[float, float]:
     """(largest loss error over ranks relative to the reference's scale, largest scaled_weight_error over tensors)."""
     loss_error = max(max_rel_error(torch.tensor(r["losses"]), torch.tensor(ref["losses"])) for r in reports)
-    merged = {}
-    for report in reports:
-        for name, tensor in report["weights"].items():
-            assert name not in merged or torch.equal(merged[name], tensor), f"{name} differs between ranks holding it"
-            merged[name] = tensor
+    merged = merged_weights(reports)
     assert set(merged) == set(ref["weights"])
     scaled = {n: scaled_weight_error(n, merged[n], w) for n, w in ref["weights"].items()}
     worst = max(scaled, key=scaled.get)

@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM, GemmaConfig, GemmaForCausalLM
 from hybrid3d.convert.hf_to_hybrid import hf_to_hybrid
 from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 from tests.distributed.engine_runs import global_batch
-from tests.distributed.test_convert import read_safetensors_folder
+from tests.distributed.reports import read_safetensors_folder
 from tests.tiny_families import FAMILIES, HF_CLASSES, make_hf_family
 from tests.tiny_llama import BASE, load_hf
 

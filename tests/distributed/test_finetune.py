@@ -12,9 +12,10 @@ activation checkpointing (partitioned under a pipeline, non-reentrant without).
 import pytest
 import torch
 
-from tests.distributed import run_worlds_by_size
+from tests.distributed.worlds import run_worlds_by_size
 from tests.distributed.finetune_worker import packed_arrays, reference_run, train_runs
 from tests.tiny_llama import make_training_models, max_rel_error
+from tests.distributed.reports import merged_weights
 
 TOL = 1e-5
 CASES = {"docs": dict(masked=False, document_mask=True), "masked": dict(masked=True, document_mask=False),
@@ -54,13 +55,6 @@ def results(tmp_path_factory):
             for case in model_dirs for data in CASES}
     refs[("gqa", "plain")] = reference_run(model_dirs["gqa"], arrays, masked=False, document_mask=False)
     return {"ref": refs, "runs": run_worlds_by_size(train_runs, RUNS, root, model_dirs, arrays)}
-
-
-def merged_weights(reports):
-    merged = {}
-    for report in reports:
-        merged.update(report["weights"])
-    return merged
 
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r["name"])

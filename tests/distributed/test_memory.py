@@ -7,7 +7,7 @@ import pytest
 from hybrid3d.ds_internals.memory_probe import ENGINE_SCALARS
 from hybrid3d.model import LlamaShape
 from hybrid3d.planning.memory import rank_model_states, stage_parameter_numels
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 from tests.distributed.memory_worker import BUCKET, GAS, SHAPES, measure_runs
 
 # (name, shape, tp, pp, zero, precision): every wrapper DeepSpeed picks, every stage position,

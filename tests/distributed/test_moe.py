@@ -8,9 +8,11 @@ One spawned world per world size (2 and 4 ranks) runs all of that size's MoE lay
 import pytest
 import torch
 
-from tests.distributed import run_worlds_by_size
-from tests.distributed.moe_worker import CLIP, MIXTRAL, capacity_reference, make_mixtral, moe_runs, reference_run
+from tests.distributed.worlds import run_worlds_by_size
+from tests.distributed.moe_worker import CLIP, capacity_reference, moe_runs, reference_run
+from tests.tiny_mixtral import MIXTRAL, make_mixtral
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, SEQ, STEPS
+from tests.distributed.reports import merged_weights
 
 pytestmark = pytest.mark.slow
 
@@ -58,16 +60,6 @@ def results(tmp_path_factory):
     return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir), "root": root}
 
 
-def merged(reports) -> dict:
-    out = {}
-    for report in reports:
-        for name, tensor in report["weights"].items():
-            if name in out:
-                assert torch.equal(out[name], tensor), f"{name} differs between ranks holding it"
-            out[name] = tensor
-    return out
-
-
 def max_abs(a: dict, b: dict) -> float:
     assert a.keys() == b.keys()
     return max((a[n] - b[n]).abs().max().item() for n in b)
@@ -86,7 +78,7 @@ def test_moe_layout_matches_hf_over_five_steps(results, run):
         assert max(abs(r["aux_loss"] - a) for r, a in zip(report["routing"], ref["aux"])) <= TOL
         assert max(abs(x - y) for r, ref_load in zip(report["routing"], ref["expert_load"])
                    for x, y in zip(r["expert_load"], ref_load)) <= TOL
-    weights = merged(reports)
+    weights = merged_weights(reports)
     assert max_abs(weights, ref["weights"]) <= TOL
     assert min(ref["norms"]) > CLIP  # clipping was active at every step
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
@@ -138,7 +130,7 @@ def test_expert_parallel_checkpoint_exports_and_verifies(results, tmp_path):
     from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 
     run = "EP2-DP2-Z2-resume"
-    trained = merged(results["runs"][run])
+    trained = merged_weights(results["runs"][run])
     hybrid_to_hf(results["root"] / f"ckpt-{run}", tmp_path / "hf", tag="final", hf_config_dir=results["root"] / "mixtral")
     exported = {n: t for f in sorted((tmp_path / "hf").glob("*.safetensors")) for n, t in load_file(f).items()}
     assert set(exported) == set(trained)

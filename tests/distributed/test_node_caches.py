@@ -8,7 +8,7 @@ then both ranks of the second host at once, neither seeing the other's."""
 import os
 import time
 
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 
 
 def _builds_per_host(rank: int, world_size: int, root: str) -> dict:

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 from hybrid3d.ds_internals.universal_convert import run_ds_to_universal
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 from tests.distributed.engine_runs import STEPS, hf_reference_run
 from tests.distributed.pipeline_zero2_worker import train_runs
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
 from tests.tiny_llama import load_hf, make_training_models, max_rel_error
+from tests.distributed.reports import merged_weights
 
 TOL = 1e-5
 SAVE_AT = 3
@@ -85,17 +86,6 @@ def bf16_results(tmp_path_factory):
             "model_dirs": model_dirs}
 
 
-def merged(reports, key="weights"):
-    """HF-named weights from the stage-local reports; ranks holding the same tensor must agree bitwise."""
-    out = {}
-    for report in reports:
-        for name, tensor in report[key].items():
-            if name in out:
-                assert torch.equal(out[name], tensor), f"{name} differs between ranks"
-            out[name] = tensor
-    return out
-
-
 def worst(weights, reference) -> float:
     assert set(weights) == set(reference)
     return max(max_rel_error(weights[n], reference[n]) for n in reference)
@@ -113,8 +103,8 @@ def test_fp32_equals_stock_zero1_and_hf(results, pair):
         assert len(report["losses"]) == STEPS
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(twin["losses"])) <= TOL
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= TOL
-    weights = merged(zero2)
-    assert worst(weights, merged(zero1)) <= TOL
+    weights = merged_weights(zero2)
+    assert worst(weights, merged_weights(zero1)) <= TOL
     assert worst(weights, ref["weights"]) <= TOL
     assert ref["losses"][-1] < ref["losses"][0] - 0.05  # five steps that changed nothing would also match
 
@@ -155,7 +145,7 @@ def test_bf16_tracks_the_fp32_run(bf16_results, name):
     for report, twin in zip(reports, fp32):
         assert loss_movement(twin["losses"]) >= 10 * BF16_LOSS_GAP
         assert loss_gap(report["losses"], twin["losses"]) <= BF16_LOSS_GAP
-    gaps = update_excess(merged(reports), merged(fp32), results["initial"]["gqa"])
+    gaps = update_excess(merged_weights(reports), merged_weights(fp32), results["initial"]["gqa"])
     bad = {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
     assert not bad, f"bf16 updates differ from fp32: {bad}"
 
@@ -187,17 +177,17 @@ def test_resume_in_the_same_layout_is_exact(results):
 
 
 def test_universal_checkpoint_resumes_at_another_layout(results):
-    saved = merged(results["runs"]["Z2-PP2-DP2"], "saved_weights")
+    saved = merged_weights(results["runs"]["Z2-PP2-DP2"], "saved_weights")
     source = results["runs"]["Z2-PP2-DP2"][0]
     reports = results["runs"]["universal-TP2-PP2-DP2"]
-    loaded = merged(reports, "loaded_weights")
+    loaded = merged_weights(reports, "loaded_weights")
     assert set(loaded) == set(saved)
     assert all(torch.equal(loaded[n], saved[n]) for n in saved)  # fp32 masters resharded exactly
     for report in reports:
         assert report["engine"] == "ZeRO2PipelineEngine"
         expected = torch.tensor(source["losses"][SAVE_AT:])
         assert max_rel_error(torch.tensor(report["losses"]), expected) <= TOL
-    assert worst(merged(reports), merged(results["runs"]["Z2-PP2-DP2"])) <= TOL
+    assert worst(merged_weights(reports), merged_weights(results["runs"]["Z2-PP2-DP2"])) <= TOL
 
 
 def test_activation_checkpointing_keeps_the_losses(results):

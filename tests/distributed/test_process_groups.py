@@ -4,7 +4,7 @@ Watchdog reports it), and a pooled world ends them between calls (on gloo each k
 
 from datetime import timedelta
 
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 
 TIMEOUT_SECONDS = 41  # no default of torch's or hybrid3d's is near it
 

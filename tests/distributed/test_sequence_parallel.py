@@ -13,7 +13,7 @@ from hybrid3d.planning.traffic import (
     tp_bus_bytes,
     tp_bytes_by_op,
 )
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 from tests.distributed.sequence_worker import MICRO_BATCH, SEQ, SHAPE, measure_runs
 
 WORLD = 2

@@ -14,8 +14,8 @@ from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, loa
 from hybrid3d.model.hf_weights import gather_hf_state_dict
 from hybrid3d.parallel.groups import build_groups
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
-from tests.distributed import run_world
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
+from tests.distributed.worlds import run_world
 from tests.tiny_llama import CASES, hf_reference, load_hf, make_hf_llama, max_rel_error, token_batch
 
 FP32_TOL = 1e-5

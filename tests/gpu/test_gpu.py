@@ -14,12 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 from tests.distributed.engine_runs import STEPS, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.launcher.harness import REPO, deepspeed_launcher, launch_env, read_metrics
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, update_excess
 from tests.tiny_llama import load_hf, make_hf_llama, make_training_models, max_rel_error
+from tests.distributed.reports import merged_weights
 
 ON_CPU = os.environ.get("HYBRID3D_GPU_TESTS_ON_CPU") == "1"
 DEVICES = 2 if ON_CPU else (torch.cuda.device_count() if torch.cuda.is_available() else 0)
@@ -80,19 +81,12 @@ def matrix(tmp_path_factory):
     return {"ref": ref, "initial": initial, "runs": by_rank}
 
 
-def merged(reports):
-    out = {}
-    for report in reports:
-        out.update(report["weights"])
-    return out
-
-
 @pytest.mark.parametrize("run", [r for r in gpu_runs() if "extra" not in r], ids=lambda r: r["name"])
 def test_fp32_layout_matches_hf(matrix, run):
     ref, reports = matrix["ref"], matrix["runs"][run["name"]]
     for report in reports:
         assert max_rel_error(torch.tensor(report["losses"]), torch.tensor(ref["losses"])) <= RUN_TOL
-    weights = merged(reports)
+    weights = merged_weights(reports)
     bad = {n: e for n, w in ref["weights"].items() if not (e := max_rel_error(weights[n], w)) <= RUN_TOL}
     assert not bad, bad
 
@@ -104,7 +98,7 @@ def test_bf16_layout_tracks_fp32(matrix, run):
     for report, twin in zip(reports, fp32):
         assert len(report["losses"]) == STEPS
         assert loss_gap(report["losses"], twin["losses"]) <= BF16_LOSS_GAP
-    gaps = update_excess(merged(reports), merged(fp32), matrix["initial"])
+    gaps = update_excess(merged_weights(reports), merged_weights(fp32), matrix["initial"])
     assert not {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
 
 

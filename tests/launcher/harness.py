@@ -5,7 +5,10 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 REPO = Path(__file__).resolve().parents[2]
 STEPS = 8  # steps of the shortened demo run
@@ -25,7 +28,7 @@ def deepspeed_command(num_gpus: int, config: Path, *overrides: str) -> list[str]
 
 
 def _port() -> int:
-    from tests.distributed import free_port
+    from tests.distributed.worlds import free_port
 
     return free_port()
 
@@ -108,3 +111,30 @@ def launcher_env_by_rank(nodes: int = 2, slots: int = 2) -> list[dict]:
     world = nodes * slots
     return [{"RANK": str(r), "LOCAL_RANK": str(r % slots), "WORLD_SIZE": str(world), "LOCAL_SIZE": str(slots),
              "CROSS_RANK": str(r // slots), "CROSS_SIZE": str(nodes)} for r in range(world)]
+
+
+# Fault injection (tests/launcher/faults/): a rank imports the fault patches found first on its PYTHONPATH
+FAULTS = str(Path(__file__).parent / "faults")
+
+
+def fault_env(fault: dict) -> dict:
+    env = launch_env()
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
+    env["HYBRID3D_TEST_FAULT"] = json.dumps(fault)
+    return env
+
+
+def rank_process(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
+    for child in psutil.Process(launcher.pid).children(recursive=True):
+        if any(arg == f"--local_rank={local_rank}" for arg in child.cmdline()):
+            return child
+    raise AssertionError(f"rank {local_rank} not found")
+
+
+def wait_for(predicate, proc, timeout=300):
+    deadline = time.time() + timeout
+    while time.time() < deadline and proc.poll() is None:
+        if predicate():
+            return True
+        time.sleep(0.1)
+    return False

@@ -12,7 +12,7 @@ import os
 from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
-from tests.distributed import run_world
+from tests.distributed.worlds import run_world
 
 
 @dataclasses.dataclass

@@ -163,7 +163,7 @@ def test_readme_hugging_face_commands_run_as_written(tmp_path):
     from transformers import AutoTokenizer
 
     from hybrid3d.data.builtin import builtin_tokenizer_path
-    from tests.distributed import free_port
+    from tests.distributed.worlds import free_port
     from tests.tiny_llama import make_hf_llama
 
     for name in ("launch", "ds_configs"):

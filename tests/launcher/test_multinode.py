@@ -37,7 +37,7 @@ def test_per_node_launch_trains_like_one_host_survives_losing_a_node_and_resumes
     node loss and the multi-node resume share them.)"""
     import psutil
 
-    from tests.launcher.test_reliability import fault_env, wait_for
+    from tests.launcher.harness import fault_env, wait_for
 
     # timeout_seconds: the hang watchdog, the backstop behind gloo's own errors
     config = config_copy(uninterrupted["config"], tmp_path / "config.json", tmp_path / "run", timeout_seconds=60)

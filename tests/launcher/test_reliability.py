@@ -14,41 +14,15 @@ import subprocess
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 import torch
 
 from hybrid3d.checkpoint.resume import ResumePlan
 from hybrid3d.checkpoint.universal import scratch_folder
 from hybrid3d.training.entry import main
-from tests.launcher.harness import deepspeed_command, demo_config, launch_env, layer_states, read_metrics
+from tests.launcher.harness import (deepspeed_command, demo_config, fault_env, launch_env, layer_states, rank_process,
+                                    read_metrics, wait_for)
 from tests.launcher.in_world import run_job
-
-FAULTS = str(Path(__file__).parent / "faults")
-
-
-def fault_env(fault: dict) -> dict:
-    env = launch_env()
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [FAULTS, env.get("PYTHONPATH")]))
-    env["HYBRID3D_TEST_FAULT"] = json.dumps(fault)
-    return env
-
-
-def rank_process(launcher: subprocess.Popen, local_rank: int) -> psutil.Process:
-    for child in psutil.Process(launcher.pid).children(recursive=True):
-        if any(arg == f"--local_rank={local_rank}" for arg in child.cmdline()):
-            return child
-    raise AssertionError(f"rank {local_rank} not found")
-
-
-def wait_for(predicate, proc, timeout=300):
-    deadline = time.time() + timeout
-    while time.time() < deadline and proc.poll() is None:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return False
-
 
 def test_kill_9_during_a_save_loses_nothing(uninterrupted, tmp_path):
     """Rank 2 is killed -9 while writing the step-8 checkpoint (the step-4 one is complete): the

@@ -195,7 +195,7 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     """A tiny HF Mixtral folder (`model.hf_model` + `init_from_hf`) trains at DP2 x EP2 (each rank holds 2 of the 4
     experts) through the launcher; its step-4 checkpoint (DeepSpeed's files plus each EP rank's expert file)
     resumed continues with the same losses bit for bit (fp32)."""
-    from tests.distributed.moe_worker import make_mixtral
+    from tests.tiny_mixtral import make_mixtral
 
     model_dir = tmp_path / "mixtral"
     make_mixtral(model_dir, vocab_size=4096)  # the built-in tokenizer's vocabulary

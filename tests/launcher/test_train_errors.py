@@ -3,7 +3,7 @@ after the process group starts, with one line and nothing written."""
 
 from tests.launcher.harness import launch
 from tests.launcher.in_world import run_job
-from tests.unit.test_train_inputs import h, write_config
+from tests.configs import h, write_config
 
 
 def test_launcher_passes_the_exit_code_through(tmp_path):

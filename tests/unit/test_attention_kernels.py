@@ -54,7 +54,7 @@ def test_every_block_of_a_micro_batch_shares_one_document_mask():
     """A stage keeps one (b, 1, s, s) mask per micro-batch for backward, not one per layer: the blocks save the
     same tensor (SDPA saves the additive copy it makes of a boolean mask, so the shared mask is additive)."""
     from hybrid3d.model import LlamaSequential
-    from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+    from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
     b, s, layers = 2, 12, 3
     shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=layers, num_heads=4,

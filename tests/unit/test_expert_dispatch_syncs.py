@@ -5,29 +5,10 @@ without `output_size`, each a device-to-host wait on a GPU)."""
 import types
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from hybrid3d.parallel import expert_parallel
-from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup
-
-HOST_READS = {"tolist", "item", "bincount", "nonzero", "__bool__", "__int__", "__index__"}
-
-
-class HostReads(TorchFunctionMode):
-    """Counts the torch calls that need a tensor's values on the host (a device sync on a GPU)."""
-
-    def __init__(self):
-        super().__init__()
-        self.calls = []
-
-    def __torch_function__(self, func, types_, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name in HOST_READS or (name == "repeat_interleave" and kwargs.get("output_size") is None
-                                  and len(args) > 1 and isinstance(args[1], torch.Tensor)):
-            self.calls.append(name)
-        return func(*args, **kwargs)
-
+from hybrid3d.parallel.rank_groups import ExpertParallelGroup
+from tests.counters import HostReads
 
 def test_dispatch_reads_the_device_once(monkeypatch):
     def all_to_all_single(out, x, output_split_sizes=None, input_split_sizes=None, group=None):

@@ -132,3 +132,23 @@ def test_a_tokenizer_without_chat_template_is_refused(tmp_path):
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": m} for m in CHATS])
     with pytest.raises(ConfigError, match="hybrid3d.data.chat_template: the tokenizer has no chat template"):
         build_training_data(DataSection(path=path, format="chat", seq_length=64), source(plain), 4096)
+
+
+def test_a_rank_reads_only_its_share_of_tokens_and_nothing_until_asked():
+    """With a loss mask the loss's denominator counts the whole global batch: a DP rank reads the other shares'
+    masks (1 byte a token), not their tokens; and a batch nobody asks for (a middle pipeline stage's) reads nothing."""
+    from hybrid3d.data.packing import PackedSamples
+
+    s, global_batch, dp = 4, 8, 4
+    tokens = np.arange(global_batch * s + 1)
+    learn = (np.arange(len(tokens)) % 3 != 0).astype(np.uint8)
+    samples = PackedSamples(tokens, s, learn=learn, starts=np.zeros(len(tokens), dtype=np.uint8))
+    read = []
+    sample = samples.sample
+    samples.sample = lambda index: read.append(index) or sample(index)
+    batches = micro_batches(samples, 0, global_batch, dp_rank=1, dp=dp, micro_batch=1)
+    assert read == []  # a generator: nothing read before the engine asks (DeepSpeed asks on the first and last stage)
+    got = list(batches)
+    assert sorted(set(read)) == [2, 3]  # this rank's share only (old code read all 8 samples' tokens)
+    counted = int(learn[1:global_batch * s + 1].sum())  # every share's counted targets
+    assert got[0].loss_weight.item() == pytest.approx((global_batch // 1) / counted)

@@ -35,7 +35,7 @@ def test_both_sources_on_the_command_line_are_still_refused():
 
 
 def _run_main(tmp_path, monkeypatch, capsys, argv, launched=True, edit=None):
-    from tests.unit.test_train_inputs import write_config
+    from tests.configs import write_config
     from hybrid3d.training.entry import main
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):

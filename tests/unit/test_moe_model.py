@@ -22,7 +22,7 @@ from hybrid3d.model.moe import load_balancing_loss
 from hybrid3d.config.support import check_moe_options
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 TINY = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,

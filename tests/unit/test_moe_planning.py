@@ -36,7 +36,7 @@ def test_moe_block_parameters_per_rank():
 
 def test_block_sizes_follow_the_model_registration_order():
     from hybrid3d.model.llama import LlamaSequential
-    from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+    from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
     shape = LlamaShape(vocab_size=203, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
                        num_kv_heads=2, head_dim=16, num_experts=4, experts_per_token=2)

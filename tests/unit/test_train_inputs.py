@@ -3,37 +3,19 @@ written. These run `hybrid3d.train.main` in-process (the checks precede any proc
 same through the real launcher: tests/launcher/test_train_errors.py."""
 
 import json
-from pathlib import Path
 
 import pytest
 
 from hybrid3d.config.overrides import apply_overrides
-from hybrid3d.config.run_config import parse_config
 
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
 from hybrid3d.training.entry import main
 from hybrid3d.training.validation import validate_run
+from tests.configs import h, write_config
 from tests.launcher.harness import REPO
 from hybrid3d.model.tp_plan import check_split
-
-DEMO = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
-
-
-def write_config(tmp_path, edit=None, text=None) -> Path:
-    config = json.loads(json.dumps(DEMO))
-    config["hybrid3d"]["train"]["output_dir"] = str(tmp_path / "out")
-    if edit:
-        edit(config)
-    path = tmp_path / "config.json"
-    path.write_text(text if text is not None else json.dumps(config))
-    return path
-
-
-def h(config):
-    return config["hybrid3d"]
-
 
 # (case id, edit of the demo config or raw text, extra argv, WORLD_SIZE, text the message must contain)
 BAD_INPUTS = [

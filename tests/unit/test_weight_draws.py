@@ -6,35 +6,20 @@ depend on the expert-parallel size.
 """
 
 import torch
-from torch.overrides import TorchFunctionMode
 from transformers import LlamaConfig, LlamaForCausalLM, MixtralConfig
 
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.layers import seed_layer
 from hybrid3d.model.moe import Experts
-from hybrid3d.parallel.tensor_parallel.group import ExpertParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.rank_groups import ExpertParallelGroup, TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import weights_loaded_later
+from tests.counters import DrawCounter
 
 TP1 = TensorParallelGroup.single()
 LLAMA = dict(vocab_size=131, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
 MIXTRAL = dict(vocab_size=131, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
-
-
-class DrawCounter(TorchFunctionMode):
-    """Counts the elements every normal draw fills (tests/distributed/engine_worker.py counts a trainer's build
-    with it: HF weights follow, so it must draw none)."""
-
-    def __init__(self):
-        super().__init__()
-        self.drawn = 0
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in (torch.Tensor.normal_, torch.nn.init.normal_):  # the init hands its call to the mode whole
-            kwargs = kwargs or {}
-            self.drawn += (args[0] if args else kwargs["tensor"]).numel()
-        return func(*args, **(kwargs or {}))
 
 
 def test_a_model_whose_weights_are_loaded_next_draws_none_and_loads_every_one():

@@ -6,7 +6,7 @@ from hybrid3d.parallel.tensor_parallel.cross_entropy import (
     token_loss_sum,
     vocab_parallel_cross_entropy,
 )
-from hybrid3d.parallel.tensor_parallel.group import ContextParallelGroup, TensorParallelGroup
+from hybrid3d.parallel.rank_groups import ContextParallelGroup, TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,

@@ -26,7 +26,7 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence
 
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from deepspeed.comm import ReduceOp
 
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 IGNORE_INDEX = -100
 

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.mappings import (
     gather_from_tp_region,
     leave_tp_region,

@@ -20,7 +20,7 @@ All collectives go through `deepspeed.comm` so DeepSpeed's comms logger counts t
 import deepspeed.comm as dist
 import torch
 
-from hybrid3d.parallel.tensor_parallel.group import TensorParallelGroup
+from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 
 def _all_reduce(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:

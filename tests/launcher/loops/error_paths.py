@@ -16,7 +16,7 @@ from pathlib import Path
 import psutil
 
 from tests.launcher.harness import deepspeed_command, demo_config, launch_env
-from tests.launcher.test_reliability import fault_env, rank_process, wait_for
+from tests.launcher.harness import fault_env, rank_process, wait_for
 
 TWO_RANKS = ("--tensor_parallel_size", "2", "--pipeline_parallel_size", "1")
 
