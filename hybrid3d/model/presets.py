@@ -49,6 +49,11 @@ PRESETS = {
                      num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8, head_dim=128,
                      max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False,
                      attention_bias=False, use_sliding_window=False, bos_token_id=151643, eos_token_id=151645),
+    # 9 heads / 3 kv heads: TP 1, 3 or 9; tied embeddings (HuggingFaceTB/SmolLM2-135M-Instruct; hybrid3d.pretrained)
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+                         num_attention_heads=9, num_key_value_heads=3, head_dim=64, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, bos_token_id=1,
+                         eos_token_id=2),
     # sliding window of 4096 (mistralai/Mistral-7B-v0.1)
     "mistral-7b-v0.1": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,

@@ -11,7 +11,7 @@ import hybrid3d.errors
 PACKAGE = Path(hybrid3d.__file__).parent
 # Lowest first: a module may import from its own layer and the layers before it.
 LAYERS = ["errors", "ds_internals", "parallel", "config", "model", "data", "checkpoint", "planning", "training",
-          "convert", "plan", "verify"]
+          "convert", "plan", "verify", "pretrained"]
 MAX_LINES = 400
 
 

@@ -29,14 +29,16 @@ def test_zero_paper_table_1():
 
 
 def test_published_parameter_counts():
-    """Parameter totals of the released checkpoints: 6.74B, 8.03B, 1.236B (tied), 70.55B."""
-    expected = {"llama2-7b": 6.74e9, "llama3-8b": 8.03e9, "llama3.2-1b": 1.236e9, "llama3-70b": 70.55e9}
+    """Parameter totals of the released checkpoints: 6.74B, 8.03B, 1.236B (tied), 70.55B, and SmolLM2-135M's
+    134,515,008 (tied; the sum of the tensors of hybrid3d.pretrained's folder, counted there with safetensors)."""
+    expected = {"llama2-7b": 6.74e9, "llama3-8b": 8.03e9, "llama3.2-1b": 1.236e9, "llama3-70b": 70.55e9,
+                "smollm2-135m": 134_515_008}
     for name, count in expected.items():
         assert model_parameters(LlamaShape.from_hf(preset_config(name))) == pytest.approx(count, rel=2e-3), name
     with pytest.raises(KeyError, match="known: tiny, llama2-7b"):
         preset_config("llama9")
     assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3.2-1b", "llama3-70b", "qwen2.5-7b", "qwen3-8b",
-                            "mistral-7b-v0.1"}
+                            "mistral-7b-v0.1", "smollm2-135m"}
 
 
 def test_hand_counted_tiny_model_per_layout():

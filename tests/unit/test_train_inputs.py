@@ -191,7 +191,7 @@ def test_overrides_route_to_the_right_section():
 # Each shipped config at the world size it is written for.
 SHIPPED = {"cpu_demo.json": 4, "zero1_pipeline.json": 4, "zero2_tp_dp.json": 4, "activation_checkpointing.json": 4,
            "bf16_fp32_masters.json": 4, "cpu_long_sequence.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64,
-           "cpu_chat_finetune.json": 4}
+           "cpu_chat_finetune.json": 4, "cpu_smollm2_chat.json": 6}
 
 
 def test_every_shipped_config_is_listed():
