@@ -148,6 +148,13 @@ def _cache_key(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()[:20]
 
 
+def _tokenizer_eos(tokenizers: TokenizerSource) -> Optional[int]:
+    try:
+        return tokenizers.load().eos_token_id
+    except ConfigError:  # no tokenizer to ask
+        return None
+
+
 def _encoded(documents, where: str, section: DataSection, tokenizers: TokenizerSource):
     """(encoded rows, EOS id) of a dataset: the tokenizer's EOS for text, the model config's for ids."""
     if needs_tokenizer(documents.column_names):
@@ -156,8 +163,10 @@ def _encoded(documents, where: str, section: DataSection, tokenizers: TokenizerS
     else:
         tokenizer, eos_id = None, tokenizers.config_eos_id
         if eos_id is None and not is_finetuning(documents.column_names, section.format):
-            raise ConfigError(f"{KEY}.path: {where} is pre-tokenized but the model config has no eos_token_id to "
-                              "join its documents with")
+            eos_id = _tokenizer_eos(tokenizers)  # a model folder's tokenizer may name one its config does not
+            if eos_id is None:
+                raise ConfigError(f"{where}: the data is pre-tokenized, and neither the model config nor a tokenizer "
+                                  "gives an eos_token_id to join its documents with")
     return encode_rows(documents, section.format, section.text_field, tokenizer, eos_id, where), eos_id
 
 
@@ -166,7 +175,9 @@ def _packed(documents, where: str, section: DataSection, tokenizers: TokenizerSo
     finetuning = is_finetuning(documents.column_names, section.format)
     pretokenized = not needs_tokenizer(documents.column_names)
     key = _cache_key("v2", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
-                     section.format, section.text_field, tokenizers.config_eos_id if pretokenized else None,
+                     section.format, section.text_field,
+                     (tokenizers.config_eos_id if tokenizers.config_eos_id is not None else tokenizers.identity)
+                     if pretokenized else None,  # the EOS joining pre-tokenized documents, or where it comes from
                      section.seq_length if finetuning else None)
     folder = cache_dir() / "packed" / key
     if not (folder / "account.json").exists():

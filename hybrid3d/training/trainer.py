@@ -34,6 +34,7 @@ from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.muon_import import import_muon_lazily
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
+from hybrid3d.ds_internals.tied_sync import tied_weights_synchronised_without_grad
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
 from hybrid3d.model.pipe import build_pipeline_module
@@ -126,7 +127,8 @@ class Trainer:
             kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
         if self.layout.ep > 1:  # DeepSpeed's module states hold data rank 0's experts only
             kwargs["load_module_strict"] = False
-        loaded, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
+        with tied_weights_synchronised_without_grad():  # a pipeline broadcasts tied weights after loading
+            loaded, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
         if self.layout.ep > 1 and loaded is not None:
             load_experts(self.module, Path(loaded).parent, self.groups.expert_parallel().rank,
                          self.groups.get_model_parallel_rank())  # `loaded`: the tag's model-states file
@@ -289,7 +291,7 @@ def _build_module(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, 
     """The PipelineModule of this rank's stage (pp > 1), or the whole model as one sequence of layers."""
     tp, cp, ep = groups.tensor_parallel(), groups.context_parallel(), groups.expert_parallel()
     if layout.pp > 1:
-        with pipeline_module_uses_grid(groups.grid):  # one set of process groups, not two
+        with pipeline_module_uses_grid(groups.grid), tied_weights_synchronised_without_grad():
             return build_pipeline_module(shape, layout, tp, seed=seed, partition_method=config.hybrid.partition_method,
                                          cp=cp, schedule=config.hybrid.pipeline_schedule,
                                          virtual=config.hybrid.virtual_pipeline_size, ep=ep)

@@ -89,4 +89,17 @@ def run_one(run: dict, model_dirs: dict) -> dict:
 
 
 def train_runs(rank, world_size, runs, model_dirs):
-    return each_run(runs, lambda run: run_one(run, model_dirs))
+    return each_run(runs, lambda run: with_autograd_warnings(run_one, run, model_dirs))
+
+
+def with_autograd_warnings(fn, *args) -> dict:
+    """fn's report plus the warnings of autograd's fallback for operators without an autograd kernel that the run
+    raised (DeepSpeed's broadcast of tied weights did, ds_internals/tied_sync.py): every time, not once a process."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        report = fn(*args)
+    report["autograd_warnings"] = sorted({str(w.message)[:80] for w in caught
+                                          if "autograd kernel was not registered" in str(w.message)})
+    return report

@@ -152,3 +152,17 @@ def test_a_rank_reads_only_its_share_of_tokens_and_nothing_until_asked():
     assert sorted(set(read)) == [2, 3]  # this rank's share only (old code read all 8 samples' tokens)
     counted = int(learn[1:global_batch * s + 1].sum())  # every share's counted targets
     assert got[0].loss_weight.item() == pytest.approx((global_batch // 1) / counted)
+
+
+def test_pretokenized_text_takes_the_tokenizers_eos_when_the_config_has_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRID3D_CACHE", str(tmp_path / "cache"))
+    datasets.Dataset.from_list([{"input_ids": [5, 6, 7, 8]}] * 10).save_to_disk(str(tmp_path / "ids"))
+    section = DataSection(path=str(tmp_path / "ids"), seq_length=8)
+    with_tokenizer = TokenizerSource(load=lambda: type("T", (), {"eos_token_id": 2})(), identity="t", config_eos_id=None)
+    assert build_training_data(section, with_tokenizer, 16).eos_id == 2
+    none = TokenizerSource(load=lambda: (_ for _ in ()).throw(ConfigError("no tokenizer")), identity="none",
+                           config_eos_id=None)
+    with pytest.raises(ConfigError) as error:
+        build_training_data(section, none, 16)
+    message = str(error.value)  # the key once, then what is missing
+    assert message.startswith("hybrid3d.data.path: the data is pre-tokenized") and message.count("data.path") == 1
