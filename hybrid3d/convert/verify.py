@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random token batch")
     parser.add_argument("--vocab-pad-multiple", type=int,
                         help="the trainer's hybrid3d.vocab_pad_multiple (default: stored in the checkpoint, else 128)")
+    parser.add_argument("--verbose", action="store_true", help="show DeepSpeed's own log lines and prints")
     parser.add_argument("--local_rank", type=int, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     return parser
 
@@ -56,8 +57,12 @@ def _verify(args) -> int:
     from hybrid3d.parallel.layout import ParallelLayout
     from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
     from hybrid3d.parallel.world import start_world
+    from hybrid3d.training.console import deepspeed_prints, hold_back_deprecated_alias_warnings, set_deepspeed_verbosity
     from hybrid3d.training.trainer import build_trainer
     from hybrid3d.training.validation import validate_run
+
+    hold_back_deprecated_alias_warnings()
+    set_deepspeed_verbosity(args.verbose)
 
     checkpoint = HybridCheckpoint.open(args.checkpoint, args.tag)
     if not launched() and checkpoint.tp * checkpoint.pp > 1:
@@ -68,7 +73,8 @@ def _verify(args) -> int:
     pad = args.vocab_pad_multiple or checkpoint.section.get("vocab_pad_multiple", 128)
     shape = LlamaShape.from_hf(config, vocab_pad_multiple=pad)
     if not dist.is_initialized():
-        start_world()  # this rank's device first
+        with deepspeed_prints(args.verbose):  # its op builds and topology lines, per rank
+            start_world()  # this rank's device first
     layout = ParallelLayout.for_world(dist.get_world_size(), checkpoint.tp, checkpoint.pp)
     ep = checkpoint.expert_parallel_size
     ds_config = {
@@ -84,8 +90,9 @@ def _verify(args) -> int:
         ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
     if args.dtype == "bf16":
         ds_config["bf16"] = {"enabled": True}
-    trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape), checkpoint_follows=True)
-    trainer.load(args.checkpoint, tag=args.tag, module_only=True)
+    with deepspeed_prints(args.verbose):  # PipelineModule's layer listing, the optimizer's lines, per rank
+        trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape), checkpoint_follows=True)
+        trainer.load(args.checkpoint, tag=args.tag, module_only=True)
 
     generator = torch.Generator().manual_seed(args.seed)
     tokens = torch.randint(0, shape.vocab_size, (args.batch_size, args.seq_len + 1), generator=generator)

@@ -15,6 +15,15 @@ import sys
 from deepspeed.utils import logger as deepspeed_logger
 
 
+def hold_back_deprecated_alias_warnings() -> None:
+    """DeepSpeed's ZeRO-1 all-gather and its reduce-scatter (sequence parallelism) call deprecated torch aliases,
+    which warn once per rank (torch 2.13): nothing a user can act on."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
+    warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*", category=FutureWarning)
+
+
 def set_deepspeed_verbosity(verbose: bool) -> None:
     """DeepSpeed's logger (and its handlers) at INFO with `verbose`, else at ERROR."""
     level = logging.INFO if verbose else logging.ERROR

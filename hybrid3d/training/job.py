@@ -5,7 +5,6 @@ import math
 import os
 import shutil
 import time
-import warnings
 from pathlib import Path
 
 import deepspeed.comm as dist
@@ -26,7 +25,7 @@ from hybrid3d.parallel.world import process_group_timeout, start_world
 from hybrid3d.parallel.placement import gather_placement, placement_lines
 from hybrid3d.parallel.threads import local_rank, local_ranks, set_cpu_threads
 from hybrid3d.training.output_folder import clear_previous_run
-from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
+from hybrid3d.training.console import deepspeed_prints, hold_back_deprecated_alias_warnings, set_deepspeed_verbosity
 from hybrid3d.training.metrics import MetricsLogger, info
 from hybrid3d.training.trainer import build_trainer
 from hybrid3d.training.rng import restore_rng, rng_state
@@ -34,9 +33,7 @@ from hybrid3d.training.signals import StopRequest
 from hybrid3d.training.step_policies import EvalSchedule, NonFinitePolicy, SaveSchedule
 from hybrid3d.training.watchdog import Watchdog
 
-# DeepSpeed's ZeRO-1 all-gather and its reduce-scatter (sequence parallelism) call deprecated torch aliases.
-warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.*", category=FutureWarning)
-warnings.filterwarnings("ignore", message=".*reduce_scatter_tensor.*", category=FutureWarning)
+hold_back_deprecated_alias_warnings()
 
 
 def rank0_first(fn, rank: int):
