@@ -29,6 +29,7 @@ run deepspeed --log_level error --num_gpus 6 launch/train.py --deepspeed_config 
 echo "== fine-tune"
 run deepspeed --log_level error --num_gpus 6 launch/train.py --deepspeed_config ds_configs/cpu_smollm2_chat.json \
     --model.hf_model "$MODEL" --checkpoint.load "$CKPT" --train.overwrite true "$@"
+rm -rf "$OUT/hf"  # an earlier demo's export
 run python -m hybrid3d.convert hybrid2hf --checkpoint "$OUT/checkpoints" --out "$OUT/hf"
 echo "== answers after fine-tuning (greedy)"
 python -m hybrid3d.pretrained ask "$OUT/hf" 2>/dev/null
