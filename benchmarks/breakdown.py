@@ -10,7 +10,8 @@ attributed to categories:
   logger's records (TP: hybrid3d's mappings and cross entropy; DP: DeepSpeed's gradient reduction and
   ZeRO's all-gather; PP: pipeline send/recv and the partitioned-activation all-gathers; control: norms,
   overflow checks, loss averaging); AutoTP's own layers count as TP;
-- DeepSpeedEngine's model step (ds_internals/step_timing.py) is the optimizer range (its collectives keep their own class);
+- DeepSpeedEngine's model step (ds_internals/step_timing.py) is the optimizer range (its collectives keep their
+  own class);
 - each event's self time goes to the innermost range it runs in; outside every range, `aten::` ops
   are compute, and what is left of the step's wall time is Python/framework overhead.
 

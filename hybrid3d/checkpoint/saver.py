@@ -14,7 +14,7 @@ from hybrid3d.checkpoint.commit import (
     staging_tag,
 )
 from hybrid3d.checkpoint.files import prune_checkpoints, tag_for_step
-from hybrid3d.checkpoint.schema import training_client_state
+from hybrid3d.checkpoint.schema import at_step, training_client_state
 from hybrid3d.errors import CheckpointError, NonFiniteError, ReportedError
 
 
@@ -45,7 +45,7 @@ class CheckpointSaver:
             raise NonFiniteError(f"weights hold NaN or inf at step {step}; not saving a checkpoint")
         tag = tag_for_step(step)
         if self.is_rank0:
-            prepare_staging(self.save_dir, tag, {**self.meta, "step": step, "samples_consumed": samples})  # TRAINING_KEYS
+            prepare_staging(self.save_dir, tag, at_step(self.meta, step, samples))
         dist.barrier()
         mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
                                  client_state=training_client_state(step, samples, rng))

@@ -8,7 +8,7 @@ hybrid3d.json (written atomically by files.write_meta, readable without unpickli
     shape        the model's LlamaShape as a dict; a resume must match its STRUCTURAL_FIELDS, the rest may change
     hf_config    the full HF config, so the checkpoint exports to HF without its original folder
     module_only  weights only (a converted HF model): a fresh optimizer at step 0, same TP x PP only
-    step, samples_consumed   where training stood (`TRAINING_KEYS`, added per save)
+    step, samples_consumed   where training stood (`at_step`, per save; 0 for a converted model)
     files        the manifest: file -> bytes, written when the tag is committed (MANIFEST_KEY)
 
 The client state's `hybrid3d` entry (CLIENT_SECTION) carries the HF config and layout for converted checkpoints,
@@ -30,7 +30,6 @@ from hybrid3d.model.config import LlamaShape
 
 CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON's section of the same name)
 MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
-TRAINING_KEYS = ("step", "samples_consumed")
 # The shape fields that decide the tensors a checkpoint holds: a resume must match them all
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
@@ -51,13 +50,15 @@ def layout_record(tp: int, pp: int, dp: int = 1, cp: int = 1, ep: int = 1, sched
     return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, **recorded_schedule(pp, schedule, virtual)}
 
 
-def tag_record(layout: dict, shape: LlamaShape, hf_config, module_only: bool, **training) -> dict:
-    """hybrid3d.json's contents before the saver adds `TRAINING_KEYS` and the commit adds the manifest."""
-    unknown = set(training) - set(TRAINING_KEYS)
-    if unknown:
-        raise ValueError(f"not a hybrid3d.json training key: {sorted(unknown)}")
+def tag_record(layout: dict, shape: LlamaShape, hf_config, module_only: bool) -> dict:
+    """hybrid3d.json's contents before `at_step` adds where training stood and the commit adds the manifest."""
     return {"layout": layout, "shape": dataclasses.asdict(shape), "hf_config": config_dict(hf_config),
-            "module_only": module_only, **training}
+            "module_only": module_only}
+
+
+def at_step(record: dict, step: int, samples_consumed: int) -> dict:
+    """`record` (a `tag_record`) of the checkpoint saved after `step` optimizer steps and `samples_consumed`."""
+    return {**record, "step": step, "samples_consumed": samples_consumed}
 
 
 def structure(shape_fields: dict) -> dict:

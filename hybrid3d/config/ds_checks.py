@@ -115,8 +115,6 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 
-
-
 def turn_off_pipe_partitioning(ds: dict, needed_by: str) -> None:
     """Set DeepSpeed's `pipeline.pipe_partitioned` and `grad_partitioned` false; either set true is refused,
     naming what needs them off."""

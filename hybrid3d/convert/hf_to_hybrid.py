@@ -20,7 +20,7 @@ from typing import Optional
 import torch
 
 from hybrid3d.checkpoint.files import HF_FILES_DIR, write_meta
-from hybrid3d.checkpoint.schema import MANIFEST_KEY, client_state, layout_record, tag_record
+from hybrid3d.checkpoint.schema import MANIFEST_KEY, at_step, client_state, layout_record, tag_record
 from hybrid3d.convert import ds_files
 from hybrid3d.convert.model_layout import (
     buffer_names,
@@ -81,8 +81,8 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
                 torch.save(record, ds_files.model_states_file(tag_dir, stage, rank, tp))
                 del module, record
         manifest = {path.name: path.stat().st_size for path in sorted(tag_dir.glob("*.pt"))}
-        write_meta(tag_dir, {**tag_record(layout_record(tp, pp), shape, source.config, module_only=True, step=0,
-                                          samples_consumed=0), MANIFEST_KEY: manifest})
+        record = at_step(tag_record(layout_record(tp, pp), shape, source.config, module_only=True), 0, 0)
+        write_meta(tag_dir, {**record, MANIFEST_KEY: manifest})
         (staging / ds_files.LATEST).write_text(ds_files.CONVERTED_TAG)
         copy_metadata_files(source.directory, staging / HF_FILES_DIR)
         files = len(manifest)

@@ -16,7 +16,7 @@ from deepspeed.checkpoint import constants as ds
 
 from hybrid3d.checkpoint.experts import expert_files
 from hybrid3d.convert import ds_files
-from hybrid3d.checkpoint.schema import CLIENT_SECTION
+from hybrid3d.checkpoint.schema import CLIENT_SECTION, client_section
 from hybrid3d.errors import ConversionError
 
 # Training checkpoints store numpy's RNG state (an ndarray) in their client state. Rebuilding an
@@ -66,7 +66,7 @@ class HybridCheckpoint:
     @property
     def section(self) -> dict:
         """The `hybrid3d` client state (HF config, layout), empty when training stored none."""
-        return self.record.get(CLIENT_SECTION) or {}
+        return client_section(self.record)
 
     def check_layer_files(self, num_layers: int) -> None:
         """Every `layer_XX-model_YY` file a pipeline checkpoint of `num_layers` global layers needs."""
@@ -117,7 +117,8 @@ def _layout(record: dict, path: Path) -> tuple[int, int]:
     dims = record.get(ds.CHECKPOINT_PARALLEL_DIMS)
     if dims:
         return int(dims[ds.CHECKPOINT_TP_DEGREE]), int(dims[ds.CHECKPOINT_PP_DEGREE])
-    layout = (record.get(CLIENT_SECTION) or {}).get("layout")
+    layout = client_section(record).get("layout")
     if layout:
         return int(layout["tp"]), int(layout["pp"])
-    raise ConversionError(f"{path}: no {ds.CHECKPOINT_PARALLEL_DIMS} or {CLIENT_SECTION}.layout to tell its TP/PP layout")
+    raise ConversionError(f"{path}: no {ds.CHECKPOINT_PARALLEL_DIMS} or {CLIENT_SECTION}.layout to tell its TP/PP "
+                          "layout")

@@ -22,7 +22,6 @@ from hybrid3d.errors import ConfigError
 from hybrid3d.parallel.tensor_parallel.cross_entropy import IGNORE_INDEX
 
 
-
 @dataclass
 class PackedSamples:
     tokens: np.ndarray  # (N,) the concatenated token stream, possibly memory-mapped
@@ -42,7 +41,8 @@ class PackedSamples:
 
     def counted(self, index: int, document_mask: bool) -> np.ndarray:
         """(s,) bool: the targets of sample `index` the loss counts (read from the masks only, not the tokens)."""
-        counted = np.ones(self.seq_length, dtype=bool) if self.learn is None else self._window(self.learn, index)[1:] > 0
+        counted = (np.ones(self.seq_length, dtype=bool) if self.learn is None
+                   else self._window(self.learn, index)[1:] > 0)
         if document_mask and self.starts is not None:
             counted &= self._window(self.starts, index)[1:] == 0
         return counted

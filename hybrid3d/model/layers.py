@@ -84,8 +84,8 @@ class LMHead(ColumnParallelLinear):
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         padded = padded_vocab_size(shape.vocab_size, tp.size, shape.vocab_pad_multiple)
-        super().__init__(shape.hidden_size, padded, tp, init_method=padded_rows_init(normal_init(shape.initializer_range), shape.vocab_size),
-                         device=device, dtype=dtype)
+        init = padded_rows_init(normal_init(shape.initializer_range), shape.vocab_size)  # padding rows zero
+        super().__init__(shape.hidden_size, padded, tp, init_method=init, device=device, dtype=dtype)
 
     def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
         hidden, _, router_stats = split_activations(inputs)

@@ -34,11 +34,14 @@ def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
     return (j <= i) & (j > i - window)
 
 
+def window_masks(seq_len: int, window: Optional[int]) -> bool:
+    """Whether a sliding window masks more than causality does: it is shorter than the sequence."""
+    return window is not None and window < seq_len
+
+
 def sliding_window_mask_or_none(seq_len: int, window: Optional[int], device=None) -> Optional[torch.Tensor]:
     """`sliding_window_mask`, or None when there is no window or it covers the whole sequence."""
-    if window is None or window >= seq_len:
-        return None
-    return sliding_window_mask(seq_len, window, device)
+    return sliding_window_mask(seq_len, window, device) if window_masks(seq_len, window) else None
 
 
 def additive(mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -52,9 +55,7 @@ def attention_bias(seq_len: int, window: Optional[int], positions: Optional[torc
     attention: (s, s) for a window shorter than the sequence, (b, 1, s, s) with documents (`positions` (b, s))."""
     if positions is not None:
         return _document_bias(positions, window, dtype)
-    if window is None or window >= seq_len:
-        return None
-    return _window_bias(seq_len, window, torch.device(device), dtype)
+    return _window_bias(seq_len, window, torch.device(device), dtype) if window_masks(seq_len, window) else None
 
 
 @functools.lru_cache(maxsize=8)  # a memo of a pure function: a few (s, window, device, dtype) keys per run
@@ -74,7 +75,6 @@ def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     s = positions.shape[-1]
     causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
     return (same_document & causal).unsqueeze(1)
-
 
 
 # (id, version, window, dtype) of a live positions tensor -> a weak reference to its mask. The entry leaves when

@@ -28,6 +28,7 @@ from hybrid3d.training.model_source import ModelSource, resolve_model
 from hybrid3d.training.output_folder import check_output_folder
 from hybrid3d.training.validation import ValidRun, validate_run
 
+
 def parse_args(argv):
     parser = argparse.ArgumentParser(
         prog="launch/train.py", description="Train a Llama with TP x PP x DP (ZeRO) on DeepSpeed.",

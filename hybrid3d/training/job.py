@@ -36,28 +36,9 @@ from hybrid3d.training.watchdog import Watchdog
 hold_back_deprecated_alias_warnings()
 
 
-def rank0_first(fn, rank: int):
-    """Run `fn` on rank 0 first (it fills caches), then on the others; a user error on rank 0
-    is re-raised on every rank instead of leaving them waiting."""
-    error = [None]
-    result = None
-    if rank == 0:
-        try:
-            result = fn()
-        except ConfigError as e:
-            error[0] = str(e)
-    dist.broadcast_object_list(error, src=0)
-    if error[0] is not None:
-        raise ConfigError(error[0]) if rank == 0 else ReportedError(error[0])
-    return result if rank == 0 else fn()
-
-
-def node_leaders_first(fn, rank: int):
-    """Run `fn` on every host's first rank (LOCAL_RANK 0) at once, then on the others, so that each host fills its
-    cache once: with a cache every host sees, the leaders race to one atomic rename (data/pipeline.py) in the time
-    one build takes; with a cache per host, each host builds its own in that same time, where `rank0_first` would
-    have every other rank of a remote host build at once. A user error on a leader is re-raised on every rank."""
-    leader = local_rank(rank) == 0
+def leaders_first(fn, rank: int, leader: bool):
+    """Run `fn` on the leaders first (they fill caches), then on the others; a user error on a leader is re-raised on
+    every rank (rank 0 prints it) instead of leaving the others waiting."""
     error, result = None, None
     if leader:
         try:
@@ -70,6 +51,19 @@ def node_leaders_first(fn, rank: int):
     if first is not None:
         raise ConfigError(first) if rank == 0 else ReportedError(first)
     return result if leader else fn()
+
+
+def rank0_first(fn, rank: int):
+    """`fn` on rank 0, then on the others (a universal conversion: rank 0 writes it for everyone)."""
+    return leaders_first(fn, rank, rank == 0)
+
+
+def node_leaders_first(fn, rank: int):
+    """`fn` on every host's first rank (LOCAL_RANK 0) at once, then on the others, so that each host fills its cache
+    once: with a cache every host sees, the leaders race to one atomic rename (data/pipeline.py) in the time one
+    build takes; with a cache per host, each host builds its own in that same time, where `rank0_first` would have
+    every other rank of a remote host build at once."""
+    return leaders_first(fn, rank, local_rank(rank) == 0)
 
 
 def schedule_note(pp: int, hybrid) -> str:

@@ -243,12 +243,12 @@ def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_univ
     if load_universal:
         config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
     with new_groups_wait(process_group_timeout(config.hybrid.timeout_seconds)):  # every group DeepSpeed makes too
-        draws = weights_loaded_later() if hf_state_dict is not None or checkpoint_follows else contextlib.nullcontext()
-        return _build(config, layout, shape, hf_state_dict, draws, load_universal)
+        return _build(config, layout, shape, hf_state_dict, hf_state_dict is None and not checkpoint_follows,
+                      load_universal)
 
 
 def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_state_dict: Optional[dict],
-           draws, load_universal: bool) -> Trainer:
+           draw_weights: bool, load_universal: bool) -> Trainer:
     groups = build_groups(layout)
     tp, cp = groups.tensor_parallel(), groups.context_parallel()
     if shape.is_moe and layout.pp > 1:
@@ -258,7 +258,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     seed = config.hybrid.seed
     seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ
     configure_activation_checkpointing(groups, config)
-    with draws:
+    with contextlib.nullcontext() if draw_weights else weights_loaded_later():
         module = _build_module(config, layout, shape, groups, seed)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)  # raises on any parameter it did not fill
@@ -266,7 +266,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)
 
-    engine = engine_for(layout.pp > 1, config.hybrid.pipeline_schedule, config.hybrid.pipeline_zero2, shape.is_moe,
+    choice = engine_for(layout.pp > 1, config.hybrid.pipeline_schedule, config.hybrid.pipeline_zero2, shape.is_moe,
                         config.hybrid.pipeline_zero2_deferred_fraction)
     parameters = [p for p in module.parameters() if p.requires_grad]
     experts = contextlib.nullcontext()
@@ -275,7 +275,7 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
     import_muon_lazily()  # which DeepSpeed's optimizer set-up imports: its torch.compile calls at first use only
     with experts:
-        engine, _, _, _ = engine.initialize(
+        engine, _, _, _ = choice.initialize(
             model=module,
             model_parameters=parameters,
             config=config.ds_config,

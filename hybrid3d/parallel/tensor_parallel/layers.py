@@ -38,9 +38,9 @@ _SKIP_DRAWS = contextvars.ContextVar("hybrid3d_skip_weight_draws", default=False
 
 @contextlib.contextmanager
 def weights_loaded_later():
-    """Within it, `init_shard_` leaves parameters as allocated (zeros for the host, as torch.empty would leave
-    garbage) instead of drawing them: the caller loads every parameter next and must check that it did
-    (`load_hf_state_dict` raises on any it did not fill; DeepSpeed's module load is strict)."""
+    """Within it, `init_shard_` fills parameters with zeros instead of drawing them: the caller loads every
+    parameter next and must check that it did (`load_hf_state_dict` raises on any it did not fill; DeepSpeed's
+    module load is strict)."""
     token = _SKIP_DRAWS.set(True)
     try:
         yield
