@@ -2,31 +2,39 @@
 # The one-shot GPU check (issue: the first run on a GPU node), as one `device run`:
 #   bash launch/gpu_wheels.sh                        # here, once: .wheels/ with what the GPU machine lacks
 #   git rev-parse HEAD > .commit                     # here: the copy the GPU machine gets has no .git
-#   device run: bash launch/gpu_check.sh  (carry [".wheels"], timeout_s 540)
+#   device run: bash launch/gpu_check.sh  (carry [".wheels", ".commit"], timeout_s 560)
 #   bash launch/gpu_check.sh --cpu                   # here: the same steps on the CPU accelerator, tiny shapes
 # Installs the carried wheels and this checkout, records the machine, then runs the attention probe (the SDPA
 # kernel, time and memory of each mask case: benchmarks/attention_probe.py), the host-sync audit of two steps of a
 # dense and a MoE model (benchmarks/sync_audit.py), the GPU tier (tests/gpu: the layout matrix against HF on the
 # GPUs present, a shrunk GPU recipe through the real launcher, verify, resume) and benchmarks/mfu.py; every result lands under $OUT (default gpu_check_out/), each step's exit code in
 # $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
+# The lease is 15 minutes with the machine's start, and the device returns at most 8 files: every step's limit is
+# cut to what is left of GPU_CHECK_SECONDS (default 500), and the results are packed into $OUT/gpu_check.tar.gz
+# (steps.txt and machine.txt also lie beside it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
-mkdir -p "$OUT"
+RESULTS=$(mktemp -d)/gpu_check
+mkdir -p "$OUT" "$RESULTS"
+DEADLINE=${GPU_CHECK_SECONDS:-500}
 export PYTHONUNBUFFERED=1
 PY=${PYTHON:-python3}
 CPU=0
 if [ "${1:-}" = "--cpu" ]; then CPU=1; export HYBRID3D_GPU_TESTS_ON_CPU=1; fi
 
-step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to $OUT/NAME.txt, its exit code to steps.txt
+step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to NAME.txt, its exit code to steps.txt
   local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS - 15))  # 15 s kept for packing
+  [ "$left" -lt "$limit" ] && limit=$left
+  if [ "$limit" -le 5 ]; then echo "$name skipped: the deadline (${DEADLINE}s) is spent" | tee -a "$RESULTS/steps.txt"; return; fi
   local start=$SECONDS
-  timeout "$limit" "$@" >"$OUT/$name.txt" 2>&1
+  timeout "$limit" "$@" >"$RESULTS/$name.txt" 2>&1
   local rc=$?
-  echo "$name rc=$rc $((SECONDS - start))s" | tee -a "$OUT/steps.txt"
+  echo "$name rc=$rc $((SECONDS - start))s (limit ${limit}s)" | tee -a "$RESULTS/steps.txt"
 }
 
-: >"$OUT/steps.txt"
+: >"$RESULTS/steps.txt"
 if [ -d .wheels ]; then
   step install 180 $PY -m pip install --no-index --find-links .wheels .wheels/*.whl
 fi
@@ -40,16 +48,18 @@ $PY -c "import hybrid3d" 2>/dev/null || export PYTHONPATH=$PWD${PYTHONPATH:+:$PY
   $PY -c "import sys, torch, deepspeed, transformers; print(sys.version.split()[0], 'torch', torch.__version__,
 'cuda', torch.version.cuda, 'devices', torch.cuda.device_count(), 'deepspeed', deepspeed.__version__,
 'transformers', transformers.__version__)"
-} >"$OUT/machine.txt" 2>&1
+} >"$RESULTS/machine.txt" 2>&1
 
 SMOKE=""; [ $CPU = 1 ] && SMOKE="--smoke"
 # which SDPA kernel each mask case reaches (1B attention shape), then where a step waits for the device
-step attention_probe 90 $PY benchmarks/attention_probe.py $SMOKE --out "$OUT/attention"
-step sync_audit 120 $PY benchmarks/sync_audit.py $SMOKE --out "$OUT/sync"
-step pytest_gpu 300 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
+step attention_probe 60 $PY benchmarks/attention_probe.py $SMOKE --out "$RESULTS/attention"
+step sync_audit 90 $PY benchmarks/sync_audit.py $SMOKE --out "$RESULTS/sync"
+step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
 if [ $CPU = 1 ]; then
-  step mfu 240 $PY benchmarks/mfu.py --smoke --out "$OUT/mfu"
+  step mfu 240 $PY benchmarks/mfu.py --smoke --out "$RESULTS/mfu"
 else  # torch's fused AdamW: DeepSpeed's would JIT-build for a minute of the lease first
-  step mfu 240 $PY benchmarks/mfu.py --optimizer torch-fused --repeats 2 --steps 4 --out "$OUT/mfu"
+  step mfu 180 $PY benchmarks/mfu.py --optimizer torch-fused --repeats 2 --steps 4 --out "$RESULTS/mfu"
 fi
+tar -C "$(dirname "$RESULTS")" -czf "$OUT/gpu_check.tar.gz" gpu_check
+cp "$RESULTS/steps.txt" "$RESULTS/machine.txt" "$OUT/"
 cat "$OUT/steps.txt"
