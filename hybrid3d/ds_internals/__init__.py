@@ -9,7 +9,7 @@ the checkpoint engine's file writes in durable_save.py, the CPU shared-memory se
 the process groups and engines a run leaves behind in process_groups.py, the Muon module's import-time
 `torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
 universal_convert.py, the comms logger's calling functions in comms_callers.py, the engine's optimizer step
-in step_timing.py, the grid's topology (`grid_topology`),
+in step_timing.py, TORCH_CUDA_ARCH_LIST spelled for the JIT op builder in op_build_arch.py, the grid's topology (`grid_topology`),
 PipelineModule's stage bounds below), so they are written and tested against one version:
 `check_deepspeed_version()` turns any other into one line at start-up.
 """

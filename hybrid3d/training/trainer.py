@@ -32,6 +32,7 @@ from hybrid3d.ds_internals import pipeline_module_uses_grid
 from hybrid3d.ds_internals.durable_save import record_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.muon_import import import_muon_lazily
+from hybrid3d.ds_internals.op_build_arch import make_arch_list_readable_for_op_builds
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
 from hybrid3d.ds_internals.tied_sync import tied_weights_synchronised_without_grad
@@ -274,6 +275,9 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         parameters = split_params_into_different_moe_groups_for_optimizer({"params": parameters, "name": "dense"})
         experts = engine_sees_experts(MoEFeedForward)  # has_moe_layers (ds_internals/experts.py)
     import_muon_lazily()  # which DeepSpeed's optimizer set-up imports: its torch.compile calls at first use only
+    arch_note = make_arch_list_readable_for_op_builds()  # before FusedAdam's JIT build (op_build_arch.py)
+    if arch_note and dist.get_rank() == 0:
+        print(arch_note, flush=True)
     with experts:
         engine, _, _, _ = choice.initialize(
             model=module,
