@@ -60,6 +60,21 @@ class CheckpointSection:
     keep_last: int = 0  # 0 = keep all
 
 
+# PEFT's LoRA `target_modules` names hybrid3d adapts (model/tp_plan.py LORA_TARGETS maps them to weights)
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LoraSection:
+    """LoRA fine-tuning (Hu et al. 2021) in PEFT's terms: the base frozen, adapters of `rank` beside the
+    `target_modules`, scaled by alpha / rank. `rank` unset: full fine-tuning."""
+    rank: Optional[int] = None
+    alpha: float = 8.0  # PEFT's default lora_alpha
+    dropout: float = 0.0
+    target_modules: list = field(default_factory=lambda: list(LORA_MODULES))
+    adapter: Optional[str] = None  # a PEFT adapter folder (adapter_config.json, adapter_model.safetensors) to start from
+
+
 @dataclass(frozen=True)
 class HybridSection:
     tensor_parallel_size: int = 1
@@ -94,6 +109,7 @@ class HybridSection:
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    lora: LoraSection = field(default_factory=LoraSection)
 
 
 def read_json(path) -> dict:
@@ -179,4 +195,23 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
         raise ConfigError(f"{SECTION}.model.hf_model and {SECTION}.model.preset are exclusive: set one")
     if model.init_from_hf and not model.hf_model:
         raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
+    _check_lora(section)
     return section
+
+
+def _check_lora(section: HybridSection) -> None:
+    lora, key = section.lora, f"{SECTION}.lora"
+    if lora.rank is None:
+        if lora.adapter is not None:
+            raise ConfigError(f"{key}.adapter needs {key}.rank (the adapter's r)")
+        return
+    if lora.dropout >= 1:
+        raise ConfigError(f"{key}.dropout must be below 1, got {lora.dropout}")
+    if not lora.alpha > 0:
+        raise ConfigError(f"{key}.alpha must be > 0, got {lora.alpha}")
+    targets = lora.target_modules
+    if not isinstance(targets, list) or not targets or any(t not in LORA_MODULES for t in targets):
+        raise ConfigError(f"{key}.target_modules must be a non-empty list of {', '.join(LORA_MODULES)}, got {targets!r}")
+    if not section.model.init_from_hf:
+        raise ConfigError(f"{key} trains adapters on a pretrained base: set {SECTION}.model.hf_model and "
+                          f"{SECTION}.model.init_from_hf")

@@ -83,3 +83,13 @@ def check_schedule_with_pipeline_zero2(hybrid: HybridSection) -> None:
     if hybrid.pipeline_zero2 and hybrid.pipeline_schedule != "1f1b":
         raise ConfigError(f"{SECTION}.pipeline_zero2 cannot run with {SECTION}.pipeline_schedule="
                           f"{hybrid.pipeline_schedule!r} (use zero_optimization.stage 1)")
+
+
+def check_lora(is_moe: bool, pipeline_zero2: bool) -> None:
+    """LoRA (hybrid3d.lora) runs with every layout, schedule and ZeRO stage of a dense model, except: experts carry
+    no adapters, and pipeline_zero2's deferred gradients assume every parameter of a stage is trained."""
+    if is_moe:
+        raise ConfigError("hybrid3d.lora: LoRA on a mixture-of-experts model (its experts) is not supported")
+    if pipeline_zero2:
+        raise ConfigError("hybrid3d.lora: not supported with hybrid3d.pipeline_zero2 (use ZeRO-1 with pipeline "
+                          "stages, or ZeRO-2 without them)")

@@ -25,3 +25,12 @@ def tied_weights_synchronised_without_grad():
 
     with swapped(PipelineModule, "_synchronize_tied_weights", without_grad):
         yield
+
+
+def skip_frozen_tied_gradients(module: PipelineModule) -> None:
+    """A PipelineModule whose tied weights are all frozen (LoRA's base) skips their gradient all-reduce between
+    stages: DeepSpeed's `allreduce_tied_weight_gradients` (module.py:457) all-reduces `weight.grad`, None there."""
+    tied = [module._recursive_getattr(module.tied_modules[key], attr)
+            for key, comm in module.tied_comms.items() for attr in comm["weight_attr"]]
+    if tied and not any(weight.requires_grad for weight in tied):
+        module.allreduce_tied_weight_gradients = lambda: None

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 from torch import nn
 
+from hybrid3d.model.adapters import attach_block_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.masks import attention_bias
 from hybrid3d.model.norm import HeadRMSNorm
@@ -38,11 +39,11 @@ from hybrid3d.parallel.tensor_parallel import (
     ContextParallelGroup,
     RowParallelLinear,
     TensorParallelGroup,
-    column_parallel_linears,
     copy_to_tp_region,
     tensor_parallel_rng,
 )
 from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
+from hybrid3d.parallel.tensor_parallel.lora import column_linears_with_adapters
 
 
 class ReplicatedKVProjection(nn.Module):
@@ -70,6 +71,9 @@ class ReplicatedKVProjection(nn.Module):
 
     def head_bias(self):  # (d,) or None
         return None if self.bias is None else self._head(self.bias)
+
+    def head_lora_b(self):  # (d, r): the rows of this rank's kv head in a LoRA adapter's replicated B
+        return self._head(self.lora_B.weight)
 
 
 class CoreAttention(nn.Module):
@@ -137,6 +141,7 @@ class Attention(nn.Module):
         # batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
         self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
                                  if self.cp.size > 1 else None)
+        attach_block_adapters(self, "self_attn", shape, tp, **kw)  # LoRA, where shape.lora_targets asks
 
     def forward(self, x, positions=None):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same; positions (b, s)
         if self.kv_replicated:
@@ -146,7 +151,9 @@ class Attention(nn.Module):
             kv_weights = [self.k_proj.weight, self.v_proj.weight]
             kv_biases = [self.k_proj.bias, self.v_proj.bias]
         # q/k/v share one input-gradient all-reduce, overlapped with their weight gradients
-        qkv = column_parallel_linears(x, [self.q_proj.weight, *kv_weights], self.tp)  # SP: sequence gathered
+        qkv = column_linears_with_adapters(x, [self.q_proj.weight, *kv_weights],
+                                           [self.q_proj, self.k_proj, self.v_proj], self.tp,
+                                           self.training)  # SP: sequence gathered; LoRA deltas added
         q, k, v = (y if bias is None else y + bias for y, bias in zip(qkv, [self.q_proj.bias, *kv_biases]))
         b, s = q.shape[:2]  # s: this rank's s/c positions
         q = q.view(b, s, self.heads, self.head_dim)  # (b, s/c, a/t, d)

@@ -54,6 +54,12 @@ class LlamaShape:
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)
     sliding_window: Optional[int] = None  # key j visible to query i iff i - window < j <= i (Mistral)
+    # LoRA adapters (hybrid3d.lora in the JSON; Hu et al. 2021): rank r (0: none) beside the `lora_targets` modules
+    # (PEFT's names, tp_plan.LORA_TARGETS), scaled by alpha / r, dropout on their input; the base then frozen.
+    lora_rank: int = 0
+    lora_alpha: float = 0.0
+    lora_dropout: float = 0.0
+    lora_targets: tuple = ()
 
     def __post_init__(self):
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -81,6 +87,10 @@ class LlamaShape:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    @property
+    def lora_scale(self) -> float:
+        return self.lora_alpha / self.lora_rank
 
     @property
     def rope_type(self) -> str:

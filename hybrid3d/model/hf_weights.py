@@ -26,9 +26,21 @@ import torch
 import torch.nn.functional as F
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import EMBEDDING, FINAL_NORM, LM_HEAD, REPLICATED, ROW, VOCAB, block_kind, block_weights
+from hybrid3d.model.tp_plan import (
+    EMBEDDING,
+    FINAL_NORM,
+    LM_HEAD,
+    REPLICATED,
+    ROW,
+    VOCAB,
+    block_kind,
+    block_weights,
+    lora_kinds,
+    lora_weights,
+)
 from hybrid3d.parallel.tensor_parallel import padded_vocab_size
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.lora import LORA_PARAMETER
 
 MIXTRAL_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # hybrid3d -> HF
 # transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding
@@ -45,8 +57,13 @@ class ParamSpec:
 TIED_KEY = "embed"  # the TiedLayerSpec key of the embedding / LM head
 
 
+def is_adapter(spec: ParamSpec) -> bool:
+    """A LoRA factor (trained, saved and exported apart from the frozen base)."""
+    return LORA_PARAMETER in spec.local_name
+
+
 def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
-    """Every trainable tensor of the model, in HF order.
+    """Every tensor of the model, in HF order, then its LoRA adapters' (`is_adapter`) if it has any.
 
     A tied embedding is named `tied_modules.embed.weight` (PipelineModule's name for a
     TiedLayerSpec, used by LlamaSequential too); otherwise layer 0 holds it."""
@@ -56,6 +73,12 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
         specs += [ParamSpec(f"model.layers.{i}.{hf_block_name(name)}", f"{i + 1}.{name}",
                             block_kind(template, shape, tp_size))
                   for name, template in block_weights(shape)]
+    if shape.lora_rank:  # adapters after the base weights, under PEFT's names (less its `base_model.model.`)
+        for i in range(shape.num_layers):
+            for a_name, b_name, base in lora_weights(shape, shape.lora_targets):
+                a_kind, b_kind = lora_kinds(base, shape, tp_size)
+                specs += [ParamSpec(f"model.layers.{i}.{a_name}", f"{i + 1}.{a_name}", a_kind),
+                          ParamSpec(f"model.layers.{i}.{b_name}", f"{i + 1}.{b_name}", b_kind)]
     specs.append(ParamSpec("model.norm.weight", f"{shape.num_layers + 1}.weight", FINAL_NORM))
     if not shape.tie_word_embeddings:
         specs.append(ParamSpec("lm_head.weight", f"{shape.num_layers + 2}.weight", LM_HEAD))
@@ -123,15 +146,17 @@ def merge_tp_shards(spec: ParamSpec, shards: list[torch.Tensor], shape: LlamaSha
 
 
 def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: LlamaShape,
-                       tp: TensorParallelGroup) -> None:
+                       tp: TensorParallelGroup, adapters: bool = False) -> None:
     """Copy HF `LlamaForCausalLM` (or `MixtralForCausalLM`) weights into a TP model's parameters, slicing for this TP rank.
 
     Works for a LlamaSequential (all layers) or a pipeline stage holding some of them: a parameter
     whose local name the model lacks is skipped, but every model parameter must be filled.
     Mixtral weights may come under the file names or as a transformers >= 5 module's `state_dict()`.
+    `adapters`: fill the LoRA factors instead (PEFT's tensors under `param_specs`' names), and only them; otherwise
+    the factors are left as they are (drawn, or loaded apart).
     """
     hf_state_dict = unfuse_hf_experts(hf_state_dict)
-    params = dict(model.named_parameters())
+    params = {name: p for name, p in model.named_parameters() if (LORA_PARAMETER in name) == adapters}
     filled = set()
     for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:

@@ -40,10 +40,16 @@ class Embedding(VocabParallelEmbedding):
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         super().__init__(shape.vocab_size, shape.hidden_size, tp, pad_multiple=shape.vocab_pad_multiple,
                          init_method=normal_init(shape.initializer_range), device=device, dtype=dtype)
+        self.frozen_before_adapters = shape.lora_rank > 0
 
     def forward(self, inputs):
         ids, positions, _ = split_activations(inputs)
-        return join_activations(super().forward(ids), positions)
+        hidden = super().forward(ids)
+        if self.frozen_before_adapters and torch.is_grad_enabled() and not hidden.requires_grad:
+            # LoRA: the frozen embedding's output needs no gradient, but a reentrant activation checkpoint gives its
+            # adapters none unless an input of the checkpointed blocks asks for one (HF's enable_input_require_grads)
+            hidden.requires_grad_()
+        return join_activations(hidden, positions)
 
 
 class DecoderBlock(nn.Module):

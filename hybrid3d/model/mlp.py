@@ -3,14 +3,15 @@
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid3d.model.adapters import attach_block_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     TensorParallelGroup,
-    column_parallel_linears,
 )
 from hybrid3d.parallel.tensor_parallel.layers import normal_init
+from hybrid3d.parallel.tensor_parallel.lora import column_linears_with_adapters
 
 
 class SwiGLU(nn.Module):
@@ -23,8 +24,11 @@ class SwiGLU(nn.Module):
         self.gate_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.up_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.down_proj = RowParallelLinear(f, h, tp, input_is_parallel=True, **kw)
+        attach_block_adapters(self, "mlp", shape, tp, device=device, dtype=dtype)  # LoRA, where shape asks
 
     def forward(self, x):  # (b, s, h) -> (b, s, h)
         # gate and up share one input-gradient all-reduce, overlapped with their weight gradients
-        gate, up = column_parallel_linears(x, [self.gate_proj.weight, self.up_proj.weight], self.tp)  # (b, s, f/t)
+        projections = [self.gate_proj, self.up_proj]
+        gate, up = column_linears_with_adapters(x, [p.weight for p in projections], projections, self.tp,
+                                                self.training)  # (b, s, f/t); LoRA deltas added
         return self.down_proj(F.silu(gate) * up)

@@ -18,6 +18,13 @@ expert is split over TP exactly like the dense MLP (gate/up column-, down row-pa
 rank holds an f/t slice of every expert; the router (E x h) is replicated, so all TP ranks route
 every token alike. Expert parallelism places whole experts per rank (parallel/expert_parallel.py): the TP split
 of each expert stays this plan's. Which MoE layouts and options run is config/support.py's.
+
+LoRA adapters (Hu et al. 2021: W x + (alpha/r)·B A x, A (r x in), B (out x r), the base W frozen) follow their
+base weight's kind (`LORA_SPLITS`, one entry per kind, as Megatron-Bridge splits them): beside a column-parallel
+base, A is replicated (its gradient summed over TP: every rank's B slice contributes) and B is split by output
+rows like the base; beside a row-parallel base, A is split by input columns like the base (its r outputs summed
+over TP) and B is replicated (its gradient summed over TP with sequence parallelism, where each rank's tokens
+differ); beside a replicated k/v base (t > kv heads) both are replicated and used at the rank's head rows.
 """
 
 from hybrid3d.config.support import check_experts
@@ -57,6 +64,48 @@ MOE_PLAN = {
     "mlp.experts.{e}.up_proj.weight": COLUMN,
     "mlp.experts.{e}.down_proj.weight": ROW,
 }
+
+
+# The modules PEFT's `target_modules` may name, and the base weight each adapts (a name in BLOCK_PLAN)
+LORA_TARGETS = {
+    "q_proj": "self_attn.q_proj.weight",
+    "k_proj": "self_attn.k_proj.weight",
+    "v_proj": "self_attn.v_proj.weight",
+    "o_proj": "self_attn.o_proj.weight",
+    "gate_proj": "mlp.gate_proj.weight",
+    "up_proj": "mlp.up_proj.weight",
+    "down_proj": "mlp.down_proj.weight",
+}
+# base kind -> (A's kind, B's kind); A is (r, in) and B (out, r), so ROW splits A's dim 1 and COLUMN B's dim 0
+LORA_SPLITS = {COLUMN: (REPLICATED, COLUMN), ROW: (ROW, REPLICATED), REPLICATED: (REPLICATED, REPLICATED)}
+
+
+def lora_weights(shape: LlamaShape, targets) -> list[tuple[str, str, str]]:
+    """(A's name, B's name, base name) under `<i + 1>.` of every adapter pair of a decoder block, in HF order:
+    `self_attn.q_proj.lora_A.weight`, `self_attn.q_proj.lora_B.weight`, ... (PEFT's names under
+    `model.layers.<i>.`)."""
+    out = []
+    for module, base in LORA_TARGETS.items():
+        if module in targets:
+            prefix = base[:-len(".weight")]
+            out.append((f"{prefix}.lora_A.weight", f"{prefix}.lora_B.weight", base))
+    return out
+
+
+def lora_kinds(base: str, shape: LlamaShape, t: int) -> tuple[str, str]:
+    """(A's kind, B's kind) of the adapter pair beside block weight `base` at TP size t."""
+    return LORA_SPLITS[block_kind(base, shape, t)]
+
+
+def lora_factor_shapes(base: str, shape: LlamaShape, t: int, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """(A's, B's) shape on one TP rank, for the adapter pair beside block weight `base`, rank r."""
+    h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+    out_in = {"self_attn.q_proj.weight": (shape.num_heads * d, h), "self_attn.k_proj.weight": (shape.num_kv_heads * d, h),
+              "self_attn.v_proj.weight": (shape.num_kv_heads * d, h), "self_attn.o_proj.weight": (h, shape.num_heads * d),
+              "mlp.gate_proj.weight": (f, h), "mlp.up_proj.weight": (f, h), "mlp.down_proj.weight": (h, f)}
+    out, inp = out_in[base]
+    a_kind, b_kind = lora_kinds(base, shape, t)
+    return (rank, inp // t if a_kind == ROW else inp), (out // t if b_kind == COLUMN else out, rank)
 
 
 def block_weights(shape: LlamaShape) -> list[tuple[str, str]]:

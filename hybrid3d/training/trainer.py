@@ -35,15 +35,17 @@ from hybrid3d.ds_internals.muon_import import import_muon_lazily
 from hybrid3d.ds_internals.op_build_arch import make_arch_list_readable_for_op_builds
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
-from hybrid3d.ds_internals.tied_sync import tied_weights_synchronised_without_grad
+from hybrid3d.ds_internals.tied_sync import skip_frozen_tied_gradients, tied_weights_synchronised_without_grad
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
+from hybrid3d.model.peft_adapter import read_adapter_tensors
 from hybrid3d.model.pipe import build_pipeline_module
 from hybrid3d.parallel.context_parallel import sequence_shard
 from hybrid3d.parallel.groups import ProcessGroups, build_groups
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
 from hybrid3d.parallel.tensor_parallel.layers import weights_loaded_later
+from hybrid3d.parallel.tensor_parallel.lora import train_adapters_only
 from hybrid3d.parallel.world import process_group_timeout
 from hybrid3d.training.engines import engine_for
 from hybrid3d.training.validation import ValidRun
@@ -109,7 +111,10 @@ class Trainer:
         self._check_expert_checkpoint()
         written = {}
         with record_saves(self.engine, written):
-            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest)
+            # LoRA: the adapters only (the frozen base comes from the HF folder at start-up); ZeRO-2 would also
+            # store the base's fragments unless told (deepspeed 0.19.8 engine.py:5301)
+            self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,
+                                        exclude_frozen_parameters=self.shape.lora_rank > 0)
         if self.layout.ep > 1:
             tag_dir = Path(save_dir) / (tag or f"global_step{self.engine.global_steps}")
             if self.groups.get_data_parallel_rank() < self.layout.ep:  # expert-data-parallel rank 0
@@ -126,7 +131,7 @@ class Trainer:
             module_only = self._is_module_only(Path(load_dir), tag)
         if module_only:
             kwargs.update(load_module_only=True, load_optimizer_states=False, load_lr_scheduler_states=False)
-        if self.layout.ep > 1:  # DeepSpeed's module states hold data rank 0's experts only
+        if self.layout.ep > 1 or self.shape.lora_rank:  # data rank 0's experts only; LoRA's adapters only
             kwargs["load_module_strict"] = False
         with tied_weights_synchronised_without_grad():  # a pipeline broadcasts tied weights after loading
             loaded, client_state = self.engine.load_checkpoint(load_dir, tag=tag, **kwargs)
@@ -263,6 +268,12 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         module = _build_module(config, layout, shape, groups, seed)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)  # raises on any parameter it did not fill
+    if shape.lora_rank:
+        if config.hybrid.lora.adapter is not None:  # PEFT's adapter to start from (a checkpoint overwrites it)
+            load_hf_state_dict(module, read_adapter_tensors(config.hybrid.lora.adapter, shape), shape, tp, adapters=True)
+        train_adapters_only(module)
+        if layout.pp > 1:
+            skip_frozen_tied_gradients(module)
 
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)

@@ -17,11 +17,12 @@ import dataclasses
 from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.config.run_config import RunConfig, parse_config
-from hybrid3d.config.sections import HybridSection
+from hybrid3d.config.sections import LORA_MODULES, HybridSection
 from hybrid3d.errors import ConfigError
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.config.support import check_moe_options
+from hybrid3d.config.support import check_lora, check_moe_options
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 
@@ -52,6 +53,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     if hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
+    shape = with_lora(shape, hybrid)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
     check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
@@ -62,3 +64,22 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
         raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
     return ValidRun(config, shape)
+
+
+def with_lora(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:
+    """`shape` with the adapters hybrid3d.lora asks for (checked against its adapter folder, if any)."""
+    lora = hybrid.lora
+    if lora.rank is None:
+        return shape
+    check_lora(shape.is_moe, hybrid.pipeline_zero2)
+    shape = dataclasses.replace(shape, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
+                                lora_targets=tuple(m for m in LORA_MODULES if m in lora.target_modules))
+    if lora.adapter is not None:
+        saved = read_adapter_config(lora.adapter)
+        for ours, key in ((lora.rank, "r"), (lora.alpha, "lora_alpha"),
+                          (sorted(shape.lora_targets), "target_modules")):
+            theirs = sorted(saved.get(key) or []) if key == "target_modules" else saved.get(key)
+            if theirs != ours:
+                raise ConfigError(f"hybrid3d.lora.adapter: {lora.adapter}/adapter_config.json has {key} = {theirs!r}, "
+                                  f"hybrid3d.lora asks for {ours!r}")
+    return shape

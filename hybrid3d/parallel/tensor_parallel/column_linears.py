@@ -61,7 +61,9 @@ class _ColumnParallelLinears(torch.autograd.Function):
                 reducing = dist.all_reduce(grad_x, group=tp.group, async_op=True)
         x2d = full.reshape(-1, full.shape[-1])  # (b·s, in)
         # computed while the reduction is in flight
-        grad_weights = [None if g is None else (g.t() @ x2d).to(w.dtype) for g, w in zip(grads, weights)]
+        # frozen weights (a LoRA base) get none
+        grad_weights = [None if g is None or not ctx.needs_input_grad[2 + i] else (g.t() @ x2d).to(w.dtype)
+                        for i, (g, w) in enumerate(zip(grads, weights))]
         if tp.sequence_parallel and reducing is not None:
             grad_x = reducing.wait()  # (b, s/t, in)
         elif reducing is not None:

@@ -23,6 +23,7 @@ from torch import nn
 
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
+from hybrid3d.parallel.tensor_parallel.random import tensor_parallel_rng
 from hybrid3d.parallel.tensor_parallel.mappings import (
     gather_from_tp_region,
     leave_tp_region,
@@ -68,6 +69,17 @@ def padded_rows_init(init: InitMethod, rows: int) -> InitMethod:
     return padded
 
 
+def adapter_dropout(x, p: float, training: bool, differs_per_rank: bool):
+    """A LoRA adapter's dropout on its input: on the TP stream where that input differs between TP ranks (a row
+    base's features, a sequence shard), on the default stream where it is replicated (the same mask everywhere)."""
+    if p == 0 or not training:
+        return x
+    if differs_per_rank:
+        with tensor_parallel_rng():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
+
+
 def divide(numerator: int, denominator: int, what: str) -> int:
     if numerator % denominator:
         raise ValueError(f"{what} ({numerator}) is not divisible by tensor-parallel size {denominator}")
@@ -81,11 +93,13 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int) -> None:
     param.partition_stride = 1
 
 
-def init_shard_(shard: torch.Tensor, full_shape, dim: int, tp: TensorParallelGroup, init: InitMethod) -> None:
-    """Fill `shard` with this rank's slice of a full tensor drawn by `init` (TP-size independent)."""
+def init_shard_(shard: torch.Tensor, full_shape, dim: int, tp: TensorParallelGroup, init: InitMethod,
+                always: bool = False) -> None:
+    """Fill `shard` with this rank's slice of a full tensor drawn by `init` (TP-size independent). `always`: draw
+    even within `weights_loaded_later` (LoRA's factors, which a base model's weights do not overwrite)."""
     if shard.is_meta:
         return
-    if _SKIP_DRAWS.get():
+    if _SKIP_DRAWS.get() and not always:
         with torch.no_grad():
             shard.zero_()
         return
@@ -159,7 +173,17 @@ class RowParallelLinear(nn.Module):
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.tp)
         y = leave_tp_region(F.linear(x, self.weight), self.tp)
-        return y if self.bias is None else y + replicated_weight(self.bias, self.tp)
+        y = y if self.bias is None else y + replicated_weight(self.bias, self.tp)
+        if getattr(self, "lora_A", None) is not None:  # a LoRA adapter (lora.py attaches it)
+            y = y + self.adapter_delta(x)
+        return y
+
+    def adapter_delta(self, x):
+        """(alpha/r) · B g(A_i dropout(x_i)), lora.py's rule for a row-parallel base: x (..., in/t) -> (..., out),
+        or (b, s/t, out) with SP (the base's output layout)."""
+        x = adapter_dropout(x, self.lora_dropout, self.training, self.tp.size > 1)
+        low = leave_tp_region(F.linear(x, self.lora_A.weight), self.tp)  # (..., r): summed over TP (SP: scattered)
+        return F.linear(low, replicated_weight(self.lora_B.weight, self.tp)) * self.lora_scale
 
     def extra_repr(self):
         return f"in={self.in_features} (/{self.tp.size}), out={self.out_features}, bias={self.bias is not None}"
