@@ -1,0 +1,205 @@
+"""LoRA (issue 35) trains exactly like Hugging Face + PEFT + torch AdamW (fp32, 5 steps, losses and adapter weights
+within 1e-5) at TP2 x PP2 with activation checkpointing, TP2 x DP2 ZeRO-2 with kv heads replicated over TP, TP2 with
+sequence parallelism, CP2 and tied embeddings over PP2; the base weights stay bit-identical; a run saved at step 3
+and resumed equals the uninterrupted one bit for bit from adapter-only checkpoints; the export is a PEFT adapter
+folder `PeftModel.from_pretrained` loads with no missing or unexpected keys, and a merged HF model.
+
+The reference starts from the adapter folder PEFT itself wrote (`init_lora_weights=False`: A and B both drawn, so
+every adapter has a gradient from the first step), and hybrid3d starts from the same folder (`hybrid3d.lora.adapter`).
+"""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.distributed.engine_runs import CLIP, OPTIM, STEPS, WARMUP, global_batch
+from tests.distributed.engine_worker import train_runs
+from tests.distributed.reports import merged_weights, read_safetensors_folder
+from tests.distributed.worlds import run_worlds_by_size
+from tests.tiny_llama import load_hf, make_hf_llama, max_rel_error
+
+TOL = 1e-5
+RANK, ALPHA = 4, 8.0
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+CKPT = {"activation_checkpointing": {"partition_activations": True}, "pipeline": {"activation_checkpoint_interval": 1}}
+RUNS = [
+    dict(name="TP2-PP2-Z1-ckpt", case="gqa", tp=2, pp=2, zero=1, world=4, extra=CKPT),
+    dict(name="TP2-DP2-Z2-kv-replicated", case="mqa", tp=2, pp=1, zero=2, world=4),
+    dict(name="TP2-SP-Z1", case="gqa", tp=2, pp=1, zero=1, world=2, hybrid={"sequence_parallel": True}),
+    dict(name="CP2-Z1", case="gqa", tp=1, pp=1, zero=1, world=2, hybrid={"context_parallel_size": 2}),
+    dict(name="tied-PP2-Z1", case="tied", tp=1, pp=2, zero=1, world=2),
+]
+RESUMED = dict(name="resume", of="TP2-SP-Z1", world=2, split=3)
+
+
+def peft_model(model_dir, adapter_dir):
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(load_hf(model_dir), adapter_dir, is_trainable=True)
+
+
+def peft_reference_run(model_dir, adapter_dir) -> dict:
+    """HF + PEFT + torch AdamW, DeepSpeed's WarmupLR class and clip_grad_norm_ over the adapters, on the batches
+    the hybrid3d runs see."""
+    from deepspeed.runtime.lr_schedules import WarmupLR
+
+    model = peft_model(model_dir, adapter_dir).train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
+                                  weight_decay=OPTIM["weight_decay"])
+    scheduler = WarmupLR(optimizer, **WARMUP)
+    losses, first_grads = [], None
+    for step in range(STEPS):
+        ids, targets = global_batch(step)
+        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
+        loss.backward()
+        if first_grads is None:
+            first_grads = {peft_name(n): p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+        torch.nn.utils.clip_grad_norm_(trainable, CLIP)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    weights = {peft_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    return {"losses": losses, "weights": weights, "first_grads": first_grads}
+
+
+def peft_name(name: str) -> str:
+    """PEFT's parameter name as hybrid3d's param_specs spell it: no `base_model.model.`, `base_layer.`, `default.`."""
+    return name.removeprefix("base_model.model.").replace(".base_layer", "").replace(".default", "")
+
+
+def lora_section(adapter_dir, model_dir) -> dict:
+    return {"lora": {"rank": RANK, "alpha": ALPHA, "target_modules": TARGETS, "adapter": str(adapter_dir)},
+            "model": {"hf_model": str(model_dir), "init_from_hf": True}}
+
+
+def lora_world(rank, world_size, runs, dirs, adapters, save_root):
+    """The equivalence runs of this world size, then (in the world of RESUMED["world"]) the resumed run."""
+    plain = [r for r in runs if r["name"] != RESUMED["name"]]
+    reports = train_runs(rank, world_size, plain, dirs)
+    if world_size == RESUMED["world"]:
+        reports[RESUMED["name"]] = resumed_run(next(r for r in runs if r["name"] == RESUMED["name"]), dirs, save_root)
+    return reports
+
+
+def resumed_run(run, dirs, save_root) -> dict:
+    """RESUMED["split"] steps, an adapter-only save, a new trainer that loads it, the remaining steps."""
+    import deepspeed.comm as dist
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.model.hf_weights import gather_hf_state_dict
+    from hybrid3d.training.trainer import build_trainer
+    from hybrid3d.training.validation import validate_run
+    from tests.distributed.engine_runs import ds_config, micro_batches
+
+    hf = load_hf(dirs[run["case"]])
+    shape, base = LlamaShape.from_hf(hf.config), hf.state_dict()
+    config = ds_config(run["tp"], run["pp"], run["zero"])
+    config["hybrid3d"].update(run["hybrid"])
+    losses = []
+    for first, last, follows in ((0, RESUMED["split"], False), (RESUMED["split"], STEPS, True)):
+        trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=base,
+                                checkpoint_follows=follows)
+        if follows:
+            trainer.load(str(save_root))
+        dp_rank, dp = trainer.groups.data_shard()
+        for step in range(first, last):
+            losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
+        if not follows:
+            trainer.save(str(save_root), client_state={"step": last})
+        else:
+            weights = {k: v.clone() for k, v in gather_hf_state_dict(
+                trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()}
+            trainer.save(str(save_root), tag="final")
+        dist.barrier()
+        trainer.close()
+    return {"losses": losses, "weights": weights}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory):
+    from peft import LoraConfig, get_peft_model
+
+    root = tmp_path_factory.mktemp("lora")
+    dirs = {"gqa": str(root / "gqa"), "mqa": str(root / "mqa"), "tied": str(root / "tied")}
+    make_hf_llama(dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
+    make_hf_llama(dirs["mqa"], "mqa")
+    make_hf_llama(dirs["tied"], "mha_tied", num_hidden_layers=4)
+    adapters = {}
+    for case, directory in dirs.items():
+        torch.manual_seed(7)
+        model = get_peft_model(load_hf(directory), LoraConfig(r=RANK, lora_alpha=ALPHA, target_modules=TARGETS,
+                                                              init_lora_weights=False))
+        adapters[case] = root / f"adapter-{case}"
+        model.save_pretrained(adapters[case])
+    runs = [dict(run, hybrid={**run.get("hybrid", {}), **lora_section(adapters[run["case"]], dirs[run["case"]])})
+            for run in RUNS]
+    of = next(r for r in runs if r["name"] == RESUMED["of"])
+    runs.append(dict(of, name=RESUMED["name"]))
+    refs = {case: peft_reference_run(dirs[case], adapters[case]) for case in dirs}
+    reports = run_worlds_by_size(lora_world, runs, root, dirs, adapters, str(root / "saved"))
+    return {"dirs": dirs, "adapters": adapters, "refs": refs, "runs": reports, "saved": root / "saved", "root": root}
+
+
+@pytest.mark.parametrize("run", RUNS, ids=lambda r: r["name"])
+def test_lora_matches_hf_peft_adamw_and_keeps_the_base(results, run):
+    ref, reports = results["refs"][run["case"]], results["runs"][run["name"]]
+    loss_error = max(max_rel_error(torch.tensor(r["losses"]), torch.tensor(ref["losses"])) for r in reports)
+    merged = merged_weights(reports)
+    assert set(merged) == set(ref["weights"])
+    adapters = {n for n in merged if ".lora_" in n}
+    assert len(adapters) == 2 * len(TARGETS) * (4 if run["case"] != "mqa" else 2)
+    weight_error = max(max_rel_error(merged[n], ref["weights"][n]) for n in adapters)
+    print(f"{run['name']}: loss error {loss_error:.2e}, adapter weight error {weight_error:.2e}")
+    assert loss_error <= TOL and weight_error <= TOL, (loss_error, weight_error)
+    base = read_safetensors_folder(Path(results["dirs"][run["case"]]))
+    for name, tensor in merged.items():  # the frozen base, bit for bit
+        if ".lora_" not in name:
+            assert torch.equal(tensor, base[name]), name
+    moved = max(max_rel_error(merged[n], base_adapter) for n, base_adapter in
+                read_adapter(results["adapters"][run["case"]]).items())
+    assert moved > 1e3 * TOL  # the adapters did train: five steps that changed nothing would also "match"
+    assert all(r["autograd_warnings"] == [] for r in reports)
+
+
+def read_adapter(folder) -> dict:
+    from safetensors.torch import load_file
+
+    return {k.removeprefix("base_model.model."): v for k, v in load_file(str(Path(folder) / "adapter_model.safetensors")).items()}
+
+
+def test_each_target_module_matters(results):
+    """Every target's adapter has a non-zero first gradient in the reference, and removing it (B = 0) moves the
+    first loss by more than 10x TOL."""
+    from tests.distributed.engine_runs import global_batch as batch
+
+    ids, targets = batch(0)
+    grads = results["refs"]["gqa"]["first_grads"]
+    model = peft_model(results["dirs"]["gqa"], results["adapters"]["gqa"]).eval()
+    with torch.no_grad():
+        loss = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten()).item()
+        for module in TARGETS:
+            assert all(g.abs().max() > 0 for n, g in grads.items() if f".{module}." in n), module
+            saved = {n: p.clone() for n, p in model.named_parameters() if f".{module}.lora_B" in n}
+            for n, p in model.named_parameters():
+                if n in saved:
+                    p.zero_()
+            without = F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten()).item()
+            for n, p in model.named_parameters():
+                if n in saved:
+                    p.copy_(saved[n])
+            assert abs(without - loss) > 10 * TOL * loss, (module, loss, without)
+
+
+def test_resume_from_an_adapter_only_checkpoint_is_exact(results):
+    resumed, whole = results["runs"][RESUMED["name"]], results["runs"][RESUMED["of"]]
+    assert [r["losses"] for r in resumed] == [r["losses"] for r in whole]
+    ours, theirs = merged_weights(resumed), merged_weights(whole)
+    assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
+    files = sorted((results["saved"] / "final").glob("*model_states.pt"))
+    held = {k for f in files for k in torch.load(f, weights_only=False)["module"]}
+    assert held and all(".lora_" in k for k in held), sorted(held)[:4]  # adapters only, no base weight
