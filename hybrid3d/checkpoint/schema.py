@@ -32,7 +32,15 @@ CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON'
 MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
 # The shape fields that decide the tensors a checkpoint holds: a resume must match them all
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm")
+                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "lora_rank", "lora_targets")
+LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # a LoRA run's adapters, in `shape`
+
+
+def recorded_lora(record: Optional[dict]) -> dict:
+    """The LoRA fields of a hybrid3d.json record's shape ({} for a full fine-tune or a record without a shape)."""
+    shape = (record or {}).get("shape") or {}
+    return {k: (tuple(shape[k]) if k == "lora_targets" else shape[k]) for k in LORA_FIELDS if k in shape} \
+        if shape.get("lora_rank") else {}
 
 
 def config_dict(hf_config) -> dict:

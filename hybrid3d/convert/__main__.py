@@ -42,6 +42,9 @@ def build_parser() -> argparse.ArgumentParser:
     to_hf.add_argument("--hf-config", help="HF folder to take config.json and tokenizer files from "
                                            "(default: stored in the checkpoint or its hf/ folder)")
     to_hf.add_argument("--max-shard-size", default="5GB", help="largest safetensors shard (default 5GB)")
+    to_hf.add_argument("--lora", choices=["adapter", "merged"],
+                       help="a LoRA checkpoint: write a PEFT adapter folder, or the HF model with the adapters merged "
+                            "into the base of --hf-config")
     to_hf.add_argument("--allow-pickle", action="store_true",
                        help="load model-state files holding arbitrary objects (only for checkpoints you trust)")
     return parser
@@ -65,7 +68,7 @@ def main(argv=None) -> int:
                   f"in {result.seconds:.1f} s")
         else:
             result = hybrid_to_hf(args.checkpoint, args.out, dtype=dtype, tag=args.tag, hf_config_dir=args.hf_config,
-                                  max_shard_size=args.max_shard_size, allow_pickle=args.allow_pickle)
+                                  max_shard_size=args.max_shard_size, allow_pickle=args.allow_pickle, lora=args.lora)
             print(f"wrote {result.out_dir}: {len(result.files)} weight files ({result.dtype}) from a "
                   f"tp={result.layout.tp} pp={result.layout.pp} checkpoint in {result.seconds:.1f} s")
     except UserError as e:

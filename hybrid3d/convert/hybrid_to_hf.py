@@ -11,6 +11,7 @@ client state or the tag's hybrid3d.json), else from the `hf/` folder that conver
 keep next to it. Tokenizer and generation config files are copied from that folder (or from DIR).
 """
 
+import dataclasses
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,14 +23,16 @@ from transformers import GenerationConfig
 from hybrid3d.checkpoint.files import HF_FILES_DIR, read_meta
 from hybrid3d.convert import ds_files
 from hybrid3d.convert.hybrid_source import HybridCheckpoint
-from hybrid3d.checkpoint.schema import hf_config_from_section
+from hybrid3d.checkpoint.schema import hf_config_from_section, recorded_lora
 from hybrid3d.convert.model_layout import hf_parameter_shapes
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from hybrid3d.errors import ConversionError
 from hybrid3d.model.config import HF_CAUSAL_LM_CLASSES, LlamaShape
 from hybrid3d.model.hf_source import read_hf_config
-from hybrid3d.model.hf_weights import merge_tp_shards, param_specs
+from hybrid3d.model.hf_source import HFSource
+from hybrid3d.model.hf_weights import is_adapter, merge_tp_shards, param_specs
+from hybrid3d.model.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, merged_weights, write_adapter
 from hybrid3d.model.layers import layer_classes
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.model.tp_plan import check_split
@@ -46,17 +49,33 @@ class Hybrid2HfResult:
     seconds: float
 
 
+LORA_EXPORTS = ("adapter", "merged")
+
+
 def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, tag: Optional[str] = None,
                  hf_config_dir=None, max_shard_size=DEFAULT_MAX_SHARD_SIZE,
-                 allow_pickle: bool = False) -> Hybrid2HfResult:
+                 allow_pickle: bool = False, lora: Optional[str] = None) -> Hybrid2HfResult:
     """Export; `dtype` None keeps the stored dtype. Bad input raises a UserError type before
-    anything is written (a damaged tensor found mid-way removes the partial output)."""
+    anything is written (a damaged tensor found mid-way removes the partial output).
+    A LoRA run's checkpoint holds adapters only: `lora` "adapter" writes them as a PEFT adapter folder,
+    "merged" the HF model with them merged into the base weights of `hf_config_dir` (the model trained on)."""
     start = time.perf_counter()
     checkpoint = HybridCheckpoint.open(checkpoint_dir, tag, allow_pickle)
     config, side_dir = resolve_hf_config(checkpoint, hf_config_dir)
-    shape = LlamaShape.from_hf(config)
+    adapters = recorded_lora(read_meta(checkpoint.tag_dir))
+    if adapters and lora is None:
+        raise ConversionError(f"{checkpoint.tag_dir}: a LoRA checkpoint (adapters only): pass --lora adapter or "
+                              "--lora merged (with --hf-config, the base model)")
+    if lora is not None and not adapters:
+        raise ConversionError(f"{checkpoint.tag_dir}: --lora {lora}: the checkpoint holds no LoRA adapters "
+                              "(its hybrid3d.json records none)")
+    if lora == "merged" and hf_config_dir is None:
+        raise ConversionError("--lora merged needs --hf-config: the base model folder the adapters were trained on")
+    shape = dataclasses.replace(LlamaShape.from_hf(config), **adapters)
     tp = checkpoint.tp
     check_split(shape, tp, checkpoint.pp)
+    if lora is not None:
+        return _export_lora(checkpoint, shape, Path(out_dir), lora, dtype, config, side_dir, hf_config_dir, start)
     specs = param_specs(shape, tp)
     expected = hf_parameter_shapes(config)
     mapped = {spec.hf_name for spec in specs}
@@ -85,6 +104,37 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
         files = writer.close()
         _write_configs(config, dtype, side_dir, staging)
     return Hybrid2HfResult(Path(out_dir), ParallelLayout(tp, checkpoint.pp, 1), dtype, [f.name for f in files],
+                           time.perf_counter() - start)
+
+
+def _export_lora(checkpoint: HybridCheckpoint, shape: LlamaShape, out_dir: Path, lora: str, dtype, config,
+                 side_dir, base_dir, start: float) -> Hybrid2HfResult:
+    """The adapters of a LoRA checkpoint, merged over TP (the plan's kinds), as a PEFT adapter folder or merged into
+    the base model's weights."""
+    specs = [spec for spec in param_specs(shape, checkpoint.tp) if is_adapter(spec)]
+    tensors = {}
+    for index in sorted({ds_files.split_local_name(spec.local_name)[0] for spec in specs}):
+        shards = checkpoint.layer_tensors(index)
+        for spec in specs:
+            if ds_files.split_local_name(spec.local_name)[0] == index:
+                pieces = [tensors_of[ds_files.split_local_name(spec.local_name)[1]] for _, tensors_of in shards]
+                tensors[spec.hf_name] = merge_tp_shards(spec, pieces, shape)
+    dtype = dtype or next(iter(tensors.values())).dtype
+    with staging_dir(out_dir) as staging:
+        if lora == "adapter":
+            write_adapter(staging, shape, {n: t.to(dtype) for n, t in tensors.items()}, str(base_dir) if base_dir else
+                          (config.name_or_path or None))
+            files = [CONFIG_FILE, WEIGHTS_FILE]
+        else:
+            base = HFSource.open(str(base_dir))
+            merged = merged_weights({n: base[n] for n in base}, tensors, shape)
+            writer = ShardedSafetensorsWriter(staging, [(n, dtype, t.shape) for n, t in merged.items()],
+                                              parse_size(DEFAULT_MAX_SHARD_SIZE))
+            for name, tensor in merged.items():
+                writer.write(name, tensor.to(dtype))
+            files = [f.name for f in writer.close()]
+            _write_configs(config, dtype, side_dir, staging)
+    return Hybrid2HfResult(out_dir, ParallelLayout(checkpoint.tp, checkpoint.pp, 1), dtype, files,
                            time.perf_counter() - start)
 
 

@@ -90,6 +90,8 @@ def resumed_run(run, dirs, save_root) -> dict:
     """RESUMED["split"] steps, an adapter-only save, a new trainer that loads it, the remaining steps."""
     import deepspeed.comm as dist
 
+    from hybrid3d.checkpoint.files import write_meta
+    from hybrid3d.checkpoint.schema import layout_record, tag_record
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.training.trainer import build_trainer
@@ -100,7 +102,7 @@ def resumed_run(run, dirs, save_root) -> dict:
     shape, base = LlamaShape.from_hf(hf.config), hf.state_dict()
     config = ds_config(run["tp"], run["pp"], run["zero"])
     config["hybrid3d"].update(run["hybrid"])
-    losses = []
+    losses, save_root = [], Path(save_root)
     for first, last, follows in ((0, RESUMED["split"], False), (RESUMED["split"], STEPS, True)):
         trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=base,
                                 checkpoint_follows=follows)
@@ -115,6 +117,9 @@ def resumed_run(run, dirs, save_root) -> dict:
             weights = {k: v.clone() for k, v in gather_hf_state_dict(
                 trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()}
             trainer.save(str(save_root), tag="final")
+            if dist.get_rank() == 0:  # what the job records beside it: the shape, with its adapters
+                write_meta(save_root / "final", tag_record(layout_record(run["tp"], run["pp"]), trainer.shape,
+                                                           hf.config, module_only=False))
         dist.barrier()
         trainer.close()
     return {"losses": losses, "weights": weights}
@@ -203,3 +208,30 @@ def test_resume_from_an_adapter_only_checkpoint_is_exact(results):
     files = sorted((results["saved"] / "final").glob("*model_states.pt"))
     held = {k for f in files for k in torch.load(f, weights_only=False)["module"]}
     assert held and all(".lora_" in k for k in held), sorted(held)[:4]  # adapters only, no base weight
+
+
+def test_export_is_a_peft_adapter_and_a_merged_model(results, tmp_path):
+    """hybrid2hf --lora adapter: a folder PEFT loads onto the HF model with no missing or unexpected keys, holding the
+    trained adapters bit for bit; --lora merged: an HF model whose logits equal that PEFT model's."""
+    from peft import PeftModel
+    from peft.utils import load_peft_weights, set_peft_model_state_dict
+
+    from hybrid3d.convert.__main__ import main as convert
+
+    base_dir, saved = results["dirs"]["gqa"], results["saved"]
+    assert convert(["hybrid2hf", "--checkpoint", str(saved), "--tag", "final", "--out", str(tmp_path / "plain")]) == 2
+    assert convert(["hybrid2hf", "--checkpoint", str(saved), "--tag", "final", "--out", str(tmp_path / "adapter"),
+                    "--lora", "adapter", "--hf-config", base_dir]) == 0
+    assert convert(["hybrid2hf", "--checkpoint", str(saved), "--tag", "final", "--out", str(tmp_path / "merged"),
+                    "--lora", "merged", "--hf-config", base_dir]) == 0
+    trained = merged_weights(results["runs"][RESUMED["name"]])
+    exported = read_adapter(tmp_path / "adapter")
+    assert set(exported) == {n for n in trained if ".lora_" in n}
+    assert all(torch.equal(exported[n], trained[n]) for n in exported)
+    model = PeftModel.from_pretrained(load_hf(base_dir), tmp_path / "adapter")
+    loaded = set_peft_model_state_dict(model, load_peft_weights(str(tmp_path / "adapter")))
+    assert loaded.unexpected_keys == [] and not [k for k in loaded.missing_keys if "lora_" in k]
+    ids, _ = global_batch(0)
+    with torch.no_grad():
+        peft_logits, merged_logits = model(ids).logits, load_hf(tmp_path / "merged")(ids).logits
+    assert max_rel_error(merged_logits, peft_logits) <= TOL
