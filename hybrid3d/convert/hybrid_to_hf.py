@@ -32,7 +32,7 @@ from hybrid3d.model.config import HF_CAUSAL_LM_CLASSES, LlamaShape
 from hybrid3d.model.hf_source import read_hf_config
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import is_adapter, merge_tp_shards, param_specs
-from hybrid3d.model.peft_adapter import CONFIG_FILE, WEIGHTS_FILE, merged_weights, write_adapter
+from hybrid3d.model.peft_adapter import WEIGHTS_FILE, merged_weights, write_adapter
 from hybrid3d.model.layers import layer_classes
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.model.tp_plan import check_split
@@ -124,7 +124,7 @@ def _export_lora(checkpoint: HybridCheckpoint, shape: LlamaShape, out_dir: Path,
         if lora == "adapter":
             write_adapter(staging, shape, {n: t.to(dtype) for n, t in tensors.items()}, str(base_dir) if base_dir else
                           (config.name_or_path or None))
-            files = [CONFIG_FILE, WEIGHTS_FILE]
+            files = [WEIGHTS_FILE]
         else:
             base = HFSource.open(str(base_dir))
             merged = merged_weights({n: base[n] for n in base}, tensors, shape)

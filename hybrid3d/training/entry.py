@@ -21,7 +21,7 @@ from hybrid3d.ds_internals import check_deepspeed_version
 from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_source import HFSource
-from hybrid3d.model.hf_weights import param_specs
+from hybrid3d.model.hf_weights import is_adapter, param_specs
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
 from hybrid3d.training.model_source import ModelSource, resolve_model
@@ -124,9 +124,10 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
                           "use --eval-only to evaluate it)")
     start_over = not args.eval_only and check_output_folder(output_dir, save_dir, plan, train.overwrite)
     hf_weights = None
-    if hybrid.model.init_from_hf and (plan is None):
+    # a LoRA run's checkpoints hold its adapters only: the frozen base always comes from the HF folder
+    if hybrid.model.init_from_hf and (plan is None or shape.lora_rank):
         hf_weights = HFSource.open(hybrid.model.hf_model)
-        names = {s.hf_name for s in param_specs(shape, layout.tp)}
+        names = {s.hf_name for s in param_specs(shape, layout.tp) if not is_adapter(s)}
         missing = sorted(names - set(hf_weights))
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")

@@ -82,7 +82,8 @@ def layout_summary(trainer) -> list[str]:
     layers = " and ".join(f"{first}-{last}" for first, last in ranges)  # DualPipeV: stages r and 2p-1-r
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
                  dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank, layers=layers,
-                 params=sum(p.numel() for p in module.parameters()))
+                 params=sum(p.numel() for p in module.parameters()),
+                 trained=sum(p.numel() for p in module.parameters() if p.requires_grad))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     lines = []
@@ -91,7 +92,8 @@ def layout_summary(trainer) -> list[str]:
         r0 = ranks[0]
         lines.append(f"  stage {stage}: layers {r0['layers']}, "
                      f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
-                     f"in the stage)")
+                     f"in the stage)" + (f", {r0['trained'] / 1e6:.2f}M of them LoRA adapters trained per TP rank"
+                                         if r0["trained"] < r0["params"] else ""))
     return lines
 
 
