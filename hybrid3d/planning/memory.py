@@ -45,18 +45,32 @@ which holds the CP ranks too (`parallel/layout.py`; the gradients are reduced ov
 formula above, and callers pass nd = dp = d·c (the planner does). Ψ does not depend on c; sequence
 parallelism changes neither Ψ nor Nd.
 
-Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP and CP), re-exported here.
+LoRA (Hu et al. 2021; `shape.lora_rank` r > 0, adapters beside `shape.lora_targets`, `model/tp_plan.py`): only the
+adapters A (r x in) and B (out x r) are trained, so the table above applies to Ψ_A, the adapter elements of the rank
+(`rank_adapter_numels`: the TP plan's `lora_factor_shapes` over the rank's decoder blocks), and the frozen base
+(every weight of the rank, `rank_parameter_numels`: blocks, embedding, norms, head) adds x bytes per element in the
+compute dtype, x = 4 for fp32, else 2 (`compute_bytes`): no gradient, no fp32 master, no Adam state, and not
+partitioned by ZeRO (stages 1 and 2 never partition parameters). Model states = x·Ψ_base + states(Ψ_A), in
+`params` (`lora_model_states`). The trainer hands DeepSpeed the trainable parameters only
+(`training/trainer.py`), so its wrappers see Ψ_A alone. Refused as `config.support.check_lora` refuses the run:
+a mixture-of-experts model, pipeline_zero2.
+
+Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP and CP), re-exported here. With
+LoRA they are counted as without: the frozen base still saves what its backward needs for the activation
+gradients, and the adapters' r-dimensional intermediates (A x, b·s·r elements per target) are ignored, below
+r/h of a layer's activations.
 """
 
 import math
 from dataclasses import dataclass
 from functools import lru_cache
 
+from hybrid3d.config.support import check_lora
 from hybrid3d.ds_internals import TIED_SUM_CHUNK_ELEMENTS
 from hybrid3d.ds_internals.pipeline_zero2 import deferred_indices
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import stage_bounds
-from hybrid3d.model.tp_plan import kv_rows_per_rank
+from hybrid3d.model.tp_plan import kv_rows_per_rank, lora_factor_shapes, lora_weights
 from hybrid3d.parallel.pipeline_schedules import num_stages
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 from hybrid3d.planning.activations import (  # noqa: F401 (re-exported: the memory model's public names)
@@ -130,13 +144,40 @@ def rank_parameter_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedul
     A tied embedding lives in `tied_modules` (registered before the layers) on the rank of the first stage
     and, as the head's copy, on that of the last; a rank holding both (p = 1, DualPipeV's rank 0) shares
     one module."""
-    specs = layer_parameter_numels(shape, t)
-    bounds = stage_bounds(shape.num_layers, num_stages(schedule, pp, v))
-    local = [spec for stage in rank_stages(schedule, pp, rank, v) for spec in specs[bounds[stage]:bounds[stage + 1]]]
+    local = _rank_specs(layer_parameter_numels(shape, t), shape, pp, rank, schedule, v)
     tied = shape.tie_word_embeddings
     first = [n for kind, sizes in local if tied and kind in ("Embedding", "TiedEmbedding") for n in sizes][:1]
     rest = [n for kind, sizes in local if not (tied and kind in ("Embedding", "TiedEmbedding")) for n in sizes]
     return first + rest
+
+
+def _rank_specs(specs: list, shape: LlamaShape, pp: int, rank: int, schedule: str, v: int) -> list:
+    """The entries of `specs` (one per pipeline layer spec) that pipeline rank `rank` builds, in its order."""
+    bounds = stage_bounds(shape.num_layers, num_stages(schedule, pp, v))
+    return [spec for stage in rank_stages(schedule, pp, rank, v) for spec in specs[bounds[stage]:bounds[stage + 1]]]
+
+
+def block_adapter_numels(shape: LlamaShape, t: int) -> list[int]:
+    """Sizes of the LoRA adapter factors of one decoder block on one TP rank, in `module.parameters()` order
+    (A, B of each of `shape.lora_targets`, in HF order): the TP plan's `lora_factor_shapes`. Empty without LoRA."""
+    if not shape.lora_rank:
+        return []
+    return [rows * cols for _, _, base in lora_weights(shape, shape.lora_targets)
+            for rows, cols in lora_factor_shapes(base, shape, t, shape.lora_rank)]
+
+
+def rank_adapter_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedule: str = "1f1b",
+                        v: int = 1) -> list[int]:
+    """Sizes of the trainable LoRA adapter parameters one TP rank of pipeline rank `rank` holds, in order (those of
+    the decoder blocks of its stages, as `rank_parameter_numels` places the blocks). Empty without LoRA."""
+    block = block_adapter_numels(shape, t)
+    specs = [(kind, block if kind == "DecoderBlock" else []) for kind, _ in layer_parameter_numels(shape, t)]
+    return [n for _, sizes in _rank_specs(specs, shape, pp, rank, schedule, v) for n in sizes]
+
+
+def adapter_parameters(shape: LlamaShape) -> int:
+    """LoRA adapter parameters of the unsharded model (0 without LoRA)."""
+    return shape.num_layers * sum(block_adapter_numels(shape, 1))
 
 
 def model_parameters(shape: LlamaShape) -> int:
@@ -191,6 +232,23 @@ class RankModelStates:
         return max((self.boundary, self.step), key=lambda s: s.total)
 
 
+def compute_bytes(precision: str) -> int:
+    """Bytes of a parameter in the compute dtype: 4 for fp32, 2 for bf16 (with either gradient accumulation)."""
+    return 4 if precision == "fp32" else 2
+
+
+def lora_model_states(adapters: RankModelStates, frozen_numel: int, precision: str) -> RankModelStates:
+    """A LoRA rank's model states: those of its adapters (`model_states_from_numels` on the adapter sizes) plus its
+    `frozen_numel` frozen base elements in the compute dtype, counted as params (no gradient, master or optimizer
+    state, not partitioned by ZeRO)."""
+    frozen = compute_bytes(precision) * frozen_numel
+
+    def plus_base(states: ModelStates) -> ModelStates:
+        return ModelStates(states.params + frozen, states.grads, states.master, states.optim_states)
+
+    return RankModelStates(plus_base(adapters.boundary), plus_base(adapters.step), adapters.wrapper)
+
+
 def aligned_numel(psi: int, nd: int) -> int:
     """Ψ rounded up to DeepSpeed's flat-buffer alignment of 2·Nd elements."""
     unit = ALIGNMENT_FACTOR * nd
@@ -207,7 +265,7 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     last backward, in fp32 chunks of min(B, `TIED_SUM_CHUNK_ELEMENTS`, the weight) elements."""
     wrapper = optimizer_wrapper(zero, precision, pp)
     psi, k = sum(numels), len(numels)
-    lp = 4 if precision == "fp32" else 2
+    lp = compute_bytes(precision)
     psi_a = aligned_numel(psi, nd)
     part = psi_a // nd
     adam = 8 * part + 4  # exp_avg + exp_avg_sq of the flat fp32 partition, one step counter
@@ -332,8 +390,15 @@ def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, p
     """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp; with context
     parallelism pass dp = d·c (ZeRO partitions over the d·c data-parallel ranks) and a dp_rank in it.
     With `schedule` "interleaved" (`virtual` chunks per rank) or "dualpipev" `stage` is the pipeline rank,
-    which holds several stages (`rank_parameter_numels`)."""
+    which holds several stages (`rank_parameter_numels`).
+    With LoRA (`shape.lora_rank` > 0) the accounting applies to the rank's adapters and the frozen base adds its
+    compute-dtype bytes (`lora_model_states`); a mixture-of-experts shape or `pipeline_zero2` raises ConfigError."""
     numels = rank_parameter_numels(shape, tp, pp, stage, schedule, virtual)
+    if shape.lora_rank:
+        check_lora(shape.is_moe, pipeline_zero2)
+        adapters = model_states_from_numels(rank_adapter_numels(shape, tp, pp, stage, schedule, virtual), dp, zero,
+                                            precision, pp, dp_rank, gas, reduce_bucket_size)
+        return lora_model_states(adapters, sum(numels), precision)
     holds_tied = shape.tie_word_embeddings and pp > 1 and stage in (0, pp - 1)  # 1F1B: pipeline_zero2's schedule
     tied = padded_vocab_size(shape.vocab_size, tp, shape.vocab_pad_multiple) // tp * shape.hidden_size
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,

@@ -30,22 +30,31 @@ Longest sequence (`longest_sequence`, `--longest-sequence`): per layout (t, p, c
 checkpointing; micro-batch 1) the largest s that fits, a multiple of lcm(128, c·t with SP, else c)
 (`sequence_unit`: 128-token steps that c, and with SP t, divide), up to the model's
 max_position_embeddings or `--max-seq-length`. Memory grows with s, so a binary search finds it.
+
+LoRA (`--lora-rank r`, `--lora-targets`; the shape's `lora_rank`, `lora_targets`): the memory model counts the
+frozen base in bf16 and the adapters as the trained parameters (`memory.lora_model_states`); ZeRO-2 with p > 1
+(pipeline_zero2) is not offered, as the trainer refuses it with LoRA (`config.support.check_lora`), nor is LoRA
+on a mixture-of-experts model. The step-time estimate stays full fine-tuning's (6N FLOPs per token, DP traffic
+of every parameter): LoRA skips the base's weight-gradient GEMMs (about 4N) and reduces only the adapters'
+gradients, which `step_time`/`traffic` do not model yet, so the rel.time of LoRA rows over-weights DP.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid3d.errors import LayoutError, UserError
+from hybrid3d.config.support import check_lora
+from hybrid3d.errors import ConfigError, LayoutError, UserError
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import check_split
+from hybrid3d.model.tp_plan import LORA_TARGETS, check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.planning.flops import peak_tflops
 from hybrid3d.planning.hints import ZERO_FOOTER, gb, no_fit_hints, parse_gigabytes
-from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
+from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, adapter_parameters, model_parameters, worst_rank_bytes
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
 SEQUENCE_UNIT = 128  # tokens: the step of the longest-sequence search (times what c and t must divide)
@@ -169,8 +178,26 @@ def _layouts(shape: LlamaShape, cluster: Cluster, global_batch: int, context_par
                                      "(Ulysses all-to-alls inside a node); others not listed")
 
 
-def _zero_stages(pp: int, dp: int) -> tuple:
-    return (0, 1, 2) if pp == 1 or dp > 1 else (0, 1)  # ZeRO-2 with pp > 1: pipeline_zero2
+def _zero_stages(pp: int, dp: int, lora: bool = False) -> tuple:
+    # ZeRO-2 with pp > 1: pipeline_zero2, which LoRA does not run with (config.support.check_lora)
+    return (0, 1, 2) if pp == 1 or (dp > 1 and not lora) else (0, 1)
+
+
+def with_lora(shape: LlamaShape, rank: int, targets=tuple(LORA_TARGETS)) -> LlamaShape:
+    """`shape` fine-tuned with LoRA adapters of rank r beside `targets` (PEFT module names, all 7 by default),
+    as the trainer's shape carries them; rank 0: `shape` (full fine-tuning). A mixture-of-experts shape raises
+    ConfigError (`config.support.check_lora`)."""
+    if not rank:
+        return shape
+    check_lora(shape.is_moe, False)
+    return dataclasses.replace(shape, lora_rank=rank, lora_targets=tuple(m for m in LORA_TARGETS if m in targets))
+
+
+def lora_line(shape: LlamaShape) -> str:
+    """What a LoRA plan trains and freezes, for the command line's header."""
+    return (f"LoRA rank {shape.lora_rank} on {', '.join(shape.lora_targets)}: {adapter_parameters(shape) / 1e6:.2f}M "
+            f"adapter parameters trained; the {model_parameters(shape) / 1e9:.2f}B base frozen (bf16, no gradients "
+            "or optimizer states, not sharded by ZeRO); rel.time: full fine-tuning's step-time model")
 
 
 def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
@@ -195,7 +222,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             refused.append(f"{name}: {reason}")
             continue
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
-        for zero in _zero_stages(pp, dp * cp):
+        for zero in _zero_stages(pp, dp * cp, shape.lora_rank > 0):
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)]
@@ -237,7 +264,7 @@ def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max
             continue
         gas, found, least = global_batch // dp, False, None  # least: the option needing the least memory
         for sp, zero, ckpt, sched in [(sp, z, ck, sched) for sp in ((False, True) if tp > 1 else (False,))
-                                      for z in _zero_stages(pp, dp * cp) for ck in (False, True)
+                                      for z in _zero_stages(pp, dp * cp, shape.lora_rank > 0) for ck in (False, True)
                                       for sched in schedule_options(shape, pp, gas, z, schedules)]:
             unit = sequence_unit(tp, cp, sp)
 
@@ -344,6 +371,21 @@ def _positive(kind):
     return parse
 
 
+def _non_negative_int(text):
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
+    return value
+
+
+def _lora_targets(text):
+    targets = tuple(t.strip() for t in text.split(",") if t.strip())
+    unknown = [t for t in targets if t not in LORA_TARGETS]
+    if not targets or unknown:
+        raise argparse.ArgumentTypeError(f"must be comma-separated modules of {', '.join(LORA_TARGETS)}, got {text!r}")
+    return targets
+
+
 def main(argv=None) -> int:
     summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
     parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
@@ -363,14 +405,20 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq-length", type=_positive(int), default=None,
                         help="with --longest-sequence: search up to this many tokens "
                              "(default: the model's max_position_embeddings)")
+    parser.add_argument("--lora-rank", type=_non_negative_int, default=0,
+                        help="LoRA adapters of this rank, the base frozen (default 0: full fine-tuning)")
+    parser.add_argument("--lora-targets", type=_lora_targets, default=None,
+                        help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
     args = parser.parse_args(argv)
     if args.longest_sequence and args.seq_length is not None:
         parser.error("--seq-length and --longest-sequence exclude each other")
     if args.max_seq_length is not None and not args.longest_sequence:
         parser.error("--max-seq-length needs --longest-sequence")
+    if args.lora_targets is not None and not args.lora_rank:
+        parser.error("--lora-targets needs --lora-rank")
     try:
-        shape = load_shape(args.model)
-    except (UserError, OSError) as e:
+        shape = with_lora(load_shape(args.model), args.lora_rank, args.lora_targets or tuple(LORA_TARGETS))
+    except (UserError, ConfigError, OSError) as e:
         parser.error(str(e).splitlines()[0])
     seq = args.seq_length or 4096
     if not args.longest_sequence and seq > shape.max_position_embeddings:
@@ -378,19 +426,24 @@ def main(argv=None) -> int:
                      f"({shape.max_position_embeddings})")
     cluster = Cluster(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
                       reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops))
+    lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
     if args.longest_sequence:
         cap = args.max_seq_length or shape.max_position_embeddings
         rows, refused = longest_sequence(shape, cluster, args.global_batch, cap, args.reduce_bucket_size,
                                          schedules=True)
         print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, longest sequence up to {cap} tokens, "
-              f"global batch {args.global_batch} sequences")
+              f"global batch {args.global_batch} sequences{lora}")
+        if args.lora_rank:
+            print(lora_line(shape))
         print(format_longest(rows, refused, args.top, cap))
         return 0
     least = []
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
                              sequence_parallel=True, context_parallel=True, schedules=True, least=least)
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
-          f"global batch {args.global_batch} sequences")
+          f"global batch {args.global_batch} sequences{lora}")
+    if args.lora_rank:
+        print(lora_line(shape))
     hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)
     print(format_plan(feasible, refused, args.top, hints))
     return 0

@@ -197,3 +197,80 @@ def test_pipeline_zero2_counts_the_tied_gradient_sum_chunk():
     embedding = 128256 * 2048
     assert grads(2**20, embedding) > grads(2**20, 0)  # 4 bytes x 2**20 against a 2-byte bucket of 2**20
     assert grads(500_000_000, embedding) == grads(500_000_000, 0)
+
+
+def _lora_gqa(rank: int = 4, **changes) -> LlamaShape:
+    """The gqa shape (h 64, a 4, kv 2, d 16, f 128, 4 layers, V 203 -> 256 at t <= 2) with LoRA on all 7 modules."""
+    import dataclasses
+
+    from hybrid3d.model.tp_plan import LORA_TARGETS
+
+    return dataclasses.replace(LlamaShape(**{**SHAPES["gqa"], **changes}), lora_rank=rank, lora_alpha=8.0,
+                               lora_targets=tuple(LORA_TARGETS))
+
+
+def test_lora_model_states_by_hand():
+    """LoRA rank 4 on the gqa shape at TP2 x PP2 (stage 0: embedding and 2 blocks) x DP2, ZeRO-1. Adapters per TP
+    rank, A (r x in) and B (out x r): beside a column base (q, k, v, gate, up) A whole and B out/t rows, beside a row
+    base (o, down) A in/t columns and B whole. The frozen base is 2 bytes per element (bf16; 4 in fp32), with no
+    gradient, master or Adam state and not sharded; the adapters get the stage's full accounting."""
+    from hybrid3d.planning.memory import adapter_parameters, rank_adapter_numels
+
+    shape, r, t = _lora_gqa(), 4, 2
+    h, f, q, kv = 64, 128, 4 * 16, 2 * 16
+
+    def column(out, inp):
+        return r * inp + out // t * r
+
+    def row(out, inp):
+        return r * inp // t + out * r
+
+    block = column(q, h) + 2 * column(kv, h) + row(h, q) + 2 * column(f, h) + row(h, f)
+    assert block == 2944
+    adapters = 2 * block  # stage 0 holds blocks 1 and 2; a multiple of 2·Nd = 4, so no alignment padding
+    base = 256 // t * h + 2 * (h + q * h // t + 2 * kv // t * h + h * q // t + h + 3 * f // t * h)
+    assert sum(rank_adapter_numels(shape, t, 2, 0)) == adapters
+    assert sum(stage_parameter_numels(shape, t, 2, 0)) == base == 45312  # the frozen base: LoRA adds none to it
+
+    def states(precision, zero=1, **kw):
+        return rank_model_states(shape, t, 2, 2, zero, precision, stage=0, **kw).peak.total
+
+    # The planner's ZeRO-1 (BF16_Optimizer, fp32 accumulation): 2Ψ + 2Ψ bf16 .grad + 4Ψ buffer + 12Ψ/Nd (+4 step).
+    assert states("bf16+fp32acc") == 2 * base + 2 * adapters + 2 * adapters + 4 * adapters + 12 * adapters // 2 + 4
+    # bf16 ZeRO-1 (DeepSpeedZeroOptimizer) at the boundary: 2Ψ + 2Ψ + a 2-byte bucket of B + 12Ψ/Nd.
+    assert states("bf16", reduce_bucket_size=1000) == 2 * base + 4 * adapters + 2 * 1000 + 12 * adapters // 2 + 4
+    # fp32 ZeRO-0 (torch Adam): 4 + 4 + 8 bytes per adapter element, a step counter per adapter tensor (2 x 14).
+    assert states("fp32", zero=0) == 4 * base + 16 * adapters + 4 * 28
+    # Without LoRA the same rank trains the base: 14Ψ + 4 at Nd = 2.
+    plain = LlamaShape(**SHAPES["gqa"])
+    assert rank_model_states(plain, t, 2, 2, 1, "bf16+fp32acc").peak.total == 14 * base + 4
+    # kv heads replicated at TP4 (> 2 kv heads): k and v adapters whole, A (r x h) and B (kv·d x r).
+    t4 = r * h + q // 4 * r + 2 * (r * h + kv * r) + r * q // 4 + h * r + 2 * (r * h + f // 4 * r) + r * f // 4 + h * r
+    assert sum(rank_adapter_numels(shape, 4, 1, 0)) == 4 * t4 == 10240
+    # Every schedule places each block's adapters on exactly one rank.
+    for schedule, v in (("1f1b", 1), ("interleaved", 2), ("dualpipev", 1)):
+        assert sum(sum(rank_adapter_numels(shape, 1, 2, rank, schedule, v)) for rank in range(2)) == \
+            adapter_parameters(shape) == 4 * r * (2 * (h + q) + 2 * (h + kv) + 3 * (h + f))
+
+
+def test_lora_numels_match_the_built_model():
+    """The TP model built (meta device) with LoRA: its `.lora_` parameters are `rank_adapter_numels`, in order,
+    the rest `stage_parameter_numels`."""
+    from hybrid3d.convert.model_layout import meta_model
+    from hybrid3d.planning.memory import rank_adapter_numels
+
+    shape = _lora_gqa()
+    for tp in (1, 2, 4):
+        named = list(meta_model(shape, tp - 1, tp).named_parameters())
+        assert [p.numel() for n, p in named if ".lora_" in n] == rank_adapter_numels(shape, tp, 1, 0), tp
+        assert [p.numel() for n, p in named if ".lora_" not in n] == stage_parameter_numels(shape, tp, 1, 0), tp
+
+
+def test_lora_refusals_in_the_memory_model():
+    """As the trainer refuses them (config.support.check_lora): LoRA on a mixture-of-experts model, pipeline_zero2."""
+    from hybrid3d.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        rank_model_states(_lora_gqa(num_experts=4), 1, 1, 1, 1, "bf16+fp32acc")
+    with pytest.raises(ConfigError, match="pipeline_zero2"):
+        rank_model_states(_lora_gqa(), 1, 2, 2, 2, "bf16+fp32acc", pipeline_zero2=True)

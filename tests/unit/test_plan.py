@@ -186,3 +186,53 @@ def test_no_layout_fits_says_what_would(capsys):
     assert "no layout fits" in out and "the least memory any option needs" in out
     assert "try --gpus 2" in out and "offload_optimizer" in out and "micro-batch 1 are already" in out
     assert "ZeRO-0 rows accumulate gradients in bf16" in out  # why a ZeRO-1 row can need more than ZeRO-0
+
+
+def test_lora_rank_makes_llama3_8b_fit_one_gpu(capsys, llama3_8b):
+    """Full fine-tuning of Llama 3 8B needs >= 16 bytes per parameter: no layout fits one 80 GB GPU. With LoRA rank 16
+    on all 7 projections the 8.03B base is frozen in bf16 (16.06 GB) and only the 41.94M adapters carry gradients,
+    fp32 masters and Adam states (20 bytes each with ZeRO-0/1 on one GPU: 0.84 GB), so it fits."""
+    argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu-memory", "80"]
+    assert main(argv) == 0
+    assert "no layout fits" in capsys.readouterr().out
+    assert main(argv + ["--lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0].endswith("global batch 512 sequences, LoRA rank 16")
+    assert "41.94M adapter parameters trained; the 8.03B base frozen" in out and "no layout fits" not in out
+    header = next(line.split() for line in out.splitlines() if line.split()[:2] == ["tp", "pp"])
+    rows = [dict(zip(header, line.split())) for line in out.splitlines()
+            if line.split()[:4] == ["1", "1", "1", "1"]]
+    assert rows and all(float(row["GB/GPU"]) <= 80 for row in rows)
+    adapters = 32 * 16 * (2 * (4096 + 4096) + 2 * (4096 + 1024) + 3 * (4096 + 14336))
+    zero1 = next(row for row in rows if row["zero"] == "1")
+    assert float(zero1["states"]) == pytest.approx((2 * PSI_8B + 20 * adapters + 4) / 1e9, abs=0.05)  # 16.9
+    # pipeline_zero2 (ZeRO-2 with p > 1) is not offered with LoRA, as the trainer refuses it
+    from hybrid3d.planning.planner import with_lora
+
+    feasible, _ = plan(with_lora(llama3_8b, 16), Cluster(gpus=4, gpu_memory_gb=80), 4096, 64)
+    assert any(c.pp > 1 for c in feasible) and not any(c.pp > 1 and c.zero == 2 for c in feasible)
+
+
+@pytest.mark.parametrize("argv", [
+    ["--lora-rank", "-1"],
+    ["--lora-targets", "q_proj,v_proj"],
+    ["--lora-rank", "8", "--lora-targets", "q_proj,qkv"],
+])
+def test_lora_bad_flags_exit_2(capsys, argv):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "llama3.2-1b", "--gpus", "8", "--gpu-memory", "24", *argv])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and "\n" not in err
+
+
+def test_lora_targets_and_moe_refusal(llama3_8b):
+    from hybrid3d.errors import ConfigError
+    from hybrid3d.planning.planner import with_lora
+
+    assert with_lora(llama3_8b, 0) is llama3_8b
+    assert with_lora(llama3_8b, 8, ("v_proj", "q_proj")).lora_targets == ("q_proj", "v_proj")
+    moe = LlamaShape(vocab_size=1024, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                     num_kv_heads=2, head_dim=16, num_experts=4)
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        with_lora(moe, 16)
