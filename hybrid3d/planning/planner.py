@@ -40,27 +40,25 @@ gradients, which `step_time`/`traffic` do not model yet, so the rel.time of LoRA
 """
 
 import argparse
-import dataclasses
 import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid3d.config.support import check_lora
 from hybrid3d.errors import ConfigError, LayoutError, UserError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import LORA_TARGETS, check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.planning.flops import peak_tflops
-from hybrid3d.planning.hints import ZERO_FOOTER, gb, no_fit_hints, parse_gigabytes
-from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, adapter_parameters, model_parameters, worst_rank_bytes
+from hybrid3d.planning.hints import gb, no_fit_hints, parse_gigabytes
+from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora  # noqa: F401
+from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
+from hybrid3d.planning.plan_format import format_longest, format_plan  # noqa: F401 (the command line prints them)
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
 SEQUENCE_UNIT = 128  # tokens: the step of the longest-sequence search (times what c and t must divide)
 SCHEDULE_LABELS = {"1f1b": "1f1b", "interleaved": "int-v{v}", "dualpipev": "dpv"}  # the table's `sched` column
-SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved', virtual_pipeline_size 2; "
-                   "dpv 'dualpipev'; - no pipeline")
 
 
 @dataclass(frozen=True)
@@ -183,23 +181,6 @@ def _zero_stages(pp: int, dp: int, lora: bool = False) -> tuple:
     return (0, 1, 2) if pp == 1 or (dp > 1 and not lora) else (0, 1)
 
 
-def with_lora(shape: LlamaShape, rank: int, targets=tuple(LORA_TARGETS)) -> LlamaShape:
-    """`shape` fine-tuned with LoRA adapters of rank r beside `targets` (PEFT module names, all 7 by default),
-    as the trainer's shape carries them; rank 0: `shape` (full fine-tuning). A mixture-of-experts shape raises
-    ConfigError (`config.support.check_lora`)."""
-    if not rank:
-        return shape
-    check_lora(shape.is_moe, False)
-    return dataclasses.replace(shape, lora_rank=rank, lora_targets=tuple(m for m in LORA_TARGETS if m in targets))
-
-
-def lora_line(shape: LlamaShape) -> str:
-    """What a LoRA plan trains and freezes, for the command line's header."""
-    return (f"LoRA rank {shape.lora_rank} on {', '.join(shape.lora_targets)}: {adapter_parameters(shape) / 1e6:.2f}M "
-            f"adapter parameters trained; the {model_parameters(shape) / 1e9:.2f}B base frozen (bf16, no gradients "
-            "or optimizer states, not sharded by ZeRO); rel.time: full fine-tuning's step-time model")
-
-
 def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
     return (f"{name}: needs >= {gb(least.memory_gb)} GB per GPU ({gb(least.states_gb)} model states + "
             f"{gb(least.activations_gb)} activations + {cluster.reserve_gb:g} reserve {what}) > "
@@ -287,59 +268,6 @@ def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max
     return rows, refused
 
 
-def _refused_lines(refused: list[str]) -> list[str]:
-    return ["", "refused:", *(f"  {r}" for r in refused)] if refused else []
-
-
-def format_plan(feasible: list[Choice], refused: list[str], top: int, hints: list[str] = ()) -> str:
-    lines = []
-    if feasible:
-        best = feasible[0].step_seconds
-        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'mb':>3} {'gas':>4} "
-                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'bubble':>6} {'pp comm':>7} "
-                     f"{'rel.time':>8}")
-        for c in feasible[:top]:
-            lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} {c.gas:>4} "
-                         f"{c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
-                         f"{c.activations_gb:>6.1f} {c.bubble:>6.1%} {c.pipe_seconds / c.step_seconds:>7.1%} "
-                         f"{c.step_seconds / best:>8.2f}")
-        if len(feasible) > top:
-            lines.append(f"... {len(feasible) - top} more feasible layouts (--top)")
-        lines.append("rel.time: step-time estimate / the first row's: compute, the schedule's bubble, TP, CP, DP")
-        lines.append("and pipeline traffic (send/recv and its TP all-gathers), not overlapped; pp comm: pipeline")
-        lines.append("traffic's share; bubble: the schedule's idle share of the step")
-        lines.append(SCHEDULE_FOOTER)
-    else:
-        lines.append("no layout fits")
-        lines += hints
-    return "\n".join(lines + _refused_lines(refused) + ["", ZERO_FOOTER])
-
-
-def format_longest(rows: list[tuple[Choice, int]], refused: list[str], top: int, cap: int) -> str:
-    lines = []
-    if rows:
-        best = rows[0][0].step_seconds / rows[0][1]
-        lines.append(f"{'seq':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'gas':>4} "
-                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
-        for c, seq in rows[:top]:
-            lines.append(f"{seq:>8} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.schedule_label:>6} "
-                         f"{c.memory_gb:>7.1f} {c.states_gb:>7.1f} {c.activations_gb:>6.1f} "
-                         f"{c.step_seconds / seq / best:>9.2f}")
-        if len(rows) > top:
-            lines.append(f"... {len(rows) - top} more layouts (--top)")
-        capped = sum(seq == cap for _, seq in rows)
-        lines.append(f"seq: the longest multiple of 128 (of lcm(128, cp·tp) with sp, lcm(128, cp) without) that fits,")
-        lines.append(f"at micro-batch 1, up to {cap} tokens (reached by {capped} of {len(rows)} layouts; "
-                     "--max-seq-length)")
-        lines.append("rel.t/tok: step-time estimate per token / the first row's")
-        lines.append(SCHEDULE_FOOTER)
-    else:
-        lines.append("no layout fits a sequence")
-    return "\n".join(lines + _refused_lines(refused))
-
-
 def load_shape(model: str) -> LlamaShape:
     """A preset name or a Hugging Face model directory (its config.json)."""
     from hybrid3d.model.presets import PRESETS, preset_config
@@ -371,21 +299,6 @@ def _positive(kind):
     return parse
 
 
-def _non_negative_int(text):
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {text}")
-    return value
-
-
-def _lora_targets(text):
-    targets = tuple(t.strip() for t in text.split(",") if t.strip())
-    unknown = [t for t in targets if t not in LORA_TARGETS]
-    if not targets or unknown:
-        raise argparse.ArgumentTypeError(f"must be comma-separated modules of {', '.join(LORA_TARGETS)}, got {text!r}")
-    return targets
-
-
 def main(argv=None) -> int:
     summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
     parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
@@ -405,9 +318,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-seq-length", type=_positive(int), default=None,
                         help="with --longest-sequence: search up to this many tokens "
                              "(default: the model's max_position_embeddings)")
-    parser.add_argument("--lora-rank", type=_non_negative_int, default=0,
+    parser.add_argument("--lora-rank", type=non_negative_int, default=0,
                         help="LoRA adapters of this rank, the base frozen (default 0: full fine-tuning)")
-    parser.add_argument("--lora-targets", type=_lora_targets, default=None,
+    parser.add_argument("--lora-targets", type=lora_targets, default=None,
                         help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
     args = parser.parse_args(argv)
     if args.longest_sequence and args.seq_length is not None:

@@ -191,7 +191,7 @@ def test_overrides_route_to_the_right_section():
 # Each shipped config at the world size it is written for.
 SHIPPED = {"cpu_demo.json": 4, "zero1_pipeline.json": 4, "zero2_tp_dp.json": 4, "activation_checkpointing.json": 4,
            "bf16_fp32_masters.json": 4, "cpu_long_sequence.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64,
-           "cpu_chat_finetune.json": 4, "cpu_smollm2_chat.json": 6}
+           "cpu_chat_finetune.json": 4, "cpu_smollm2_chat.json": 6, "cpu_smollm2_lora.json": 6}
 
 
 def test_every_shipped_config_is_listed():
@@ -202,7 +202,10 @@ def test_every_shipped_config_is_listed():
 def test_shipped_config_is_valid(name, world):
     raw = json.loads((REPO / "ds_configs" / name).read_text())
     # cpu_chat_finetune.json fine-tunes the demo's model exported to HF: the tiny preset's shape
-    config = preset_config(raw["hybrid3d"]["model"].get("preset", "tiny"))
+    # cpu_smollm2_lora.json takes its model folder on the command line (--model.hf_model): SmolLM2's shape
+    if name == "cpu_smollm2_lora.json":
+        raw["hybrid3d"]["model"]["hf_model"] = "/models/SmolLM2-135M-Instruct"
+    config = preset_config(raw["hybrid3d"]["model"].get("preset", "smollm2-135m" if "smollm2" in name else "tiny"))
     for key, value in raw["hybrid3d"]["model"].get("config_overrides", {}).items():
         setattr(config, key, value)
     shape = LlamaShape.from_hf(config)

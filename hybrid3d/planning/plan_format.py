@@ -1,0 +1,59 @@
+"""The planner's tables as text: the fitting rows, the longest sequences, and why the others were refused."""
+
+from hybrid3d.planning.hints import ZERO_FOOTER
+
+SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved', virtual_pipeline_size 2; "
+                   "dpv 'dualpipev'; - no pipeline")
+
+
+def _refused_lines(refused: list[str]) -> list[str]:
+    return ["", "refused:", *(f"  {r}" for r in refused)] if refused else []
+
+
+def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] = ()) -> str:
+    lines = []
+    if feasible:
+        best = feasible[0].step_seconds
+        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'mb':>3} {'gas':>4} "
+                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'bubble':>6} {'pp comm':>7} "
+                     f"{'rel.time':>8}")
+        for c in feasible[:top]:
+            lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
+                         f"{'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} {c.gas:>4} "
+                         f"{c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
+                         f"{c.activations_gb:>6.1f} {c.bubble:>6.1%} {c.pipe_seconds / c.step_seconds:>7.1%} "
+                         f"{c.step_seconds / best:>8.2f}")
+        if len(feasible) > top:
+            lines.append(f"... {len(feasible) - top} more feasible layouts (--top)")
+        lines.append("rel.time: step-time estimate / the first row's: compute, the schedule's bubble, TP, CP, DP")
+        lines.append("and pipeline traffic (send/recv and its TP all-gathers), not overlapped; pp comm: pipeline")
+        lines.append("traffic's share; bubble: the schedule's idle share of the step")
+        lines.append(SCHEDULE_FOOTER)
+    else:
+        lines.append("no layout fits")
+        lines += hints
+    return "\n".join(lines + _refused_lines(refused) + ["", ZERO_FOOTER])
+
+
+def format_longest(rows: list, refused: list[str], top: int, cap: int) -> str:
+    lines = []
+    if rows:
+        best = rows[0][0].step_seconds / rows[0][1]
+        lines.append(f"{'seq':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'gas':>4} "
+                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
+        for c, seq in rows[:top]:
+            lines.append(f"{seq:>8} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
+                         f"{'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.schedule_label:>6} "
+                         f"{c.memory_gb:>7.1f} {c.states_gb:>7.1f} {c.activations_gb:>6.1f} "
+                         f"{c.step_seconds / seq / best:>9.2f}")
+        if len(rows) > top:
+            lines.append(f"... {len(rows) - top} more layouts (--top)")
+        capped = sum(seq == cap for _, seq in rows)
+        lines.append(f"seq: the longest multiple of 128 (of lcm(128, cp·tp) with sp, lcm(128, cp) without) that fits,")
+        lines.append(f"at micro-batch 1, up to {cap} tokens (reached by {capped} of {len(rows)} layouts; "
+                     "--max-seq-length)")
+        lines.append("rel.t/tok: step-time estimate per token / the first row's")
+        lines.append(SCHEDULE_FOOTER)
+    else:
+        lines.append("no layout fits a sequence")
+    return "\n".join(lines + _refused_lines(refused))
