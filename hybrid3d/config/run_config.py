@@ -86,7 +86,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     hybrid = hybrid if hybrid is not None else parse_hybrid_section(raw)
     layout = ParallelLayout.for_world(world_size, hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size,
                                       hybrid.context_parallel_size, hybrid.sequence_parallel,
-                                      hybrid.expert_parallel_size)
+                                      hybrid.expert_parallel_size, ring=hybrid.context_parallel_comm == "p2p")
     ds = {k: v for k, v in raw.items() if k != SECTION}
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
     check_sequence_splits(ds, hybrid)

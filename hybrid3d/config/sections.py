@@ -84,6 +84,11 @@ class HybridSection:
     sequence_parallel: bool = False
     # DeepSpeed-Ulysses context parallelism: each sequence split over c more ranks (world = t·p·d·c).
     context_parallel_size: int = 1
+    # How the c ranks share attention (Megatron's names): "a2a" DeepSpeed-Ulysses (heads exchanged all-to-all; c
+    # divides the heads of a TP rank), "p2p" ring attention (K/V blocks passed around the ring; any c).
+    # "a2a+p2p" (Ulysses inside groups of context_parallel_a2a_size, ring across them) is not built yet.
+    context_parallel_comm: str = "a2a"
+    context_parallel_a2a_size: int = 1
     # Expert parallelism (GShard; DeepSpeed-MoE) for mixture-of-experts models: each of e data-parallel ranks
     # holds E/e whole experts and tokens travel to them by all-to-all; e divides the data-parallel size.
     expert_parallel_size: int = 1
@@ -196,7 +201,22 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
     if model.init_from_hf and not model.hf_model:
         raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
     _check_lora(section)
+    _check_context_parallel_comm(section)
     return section
+
+
+CONTEXT_PARALLEL_COMMS = ("a2a", "p2p")
+
+
+def _check_context_parallel_comm(section: HybridSection) -> None:
+    comm, key = section.context_parallel_comm, f"{SECTION}.context_parallel_comm"
+    if comm == "a2a+p2p":
+        raise ConfigError(f"{key} 'a2a+p2p' (Ulysses x ring) is not supported yet: use 'a2a' or 'p2p'")
+    if comm not in CONTEXT_PARALLEL_COMMS:
+        raise ConfigError(f"{key} must be one of {', '.join(CONTEXT_PARALLEL_COMMS)}, got {comm!r}")
+    if section.context_parallel_a2a_size != 1:
+        raise ConfigError(f"{SECTION}.context_parallel_a2a_size applies to context_parallel_comm 'a2a+p2p' only, "
+                          "which is not supported yet")
 
 
 def _check_lora(section: HybridSection) -> None:

@@ -85,6 +85,20 @@ def check_schedule_with_pipeline_zero2(hybrid: HybridSection) -> None:
                           f"{hybrid.pipeline_schedule!r} (use zero_optimization.stage 1)")
 
 
+def check_ring_attention(hybrid: HybridSection, sliding_window, attention_dropout: float) -> None:
+    """Ring attention (context_parallel_comm 'p2p') computes causal attention over whole sequences: packed-document
+    masks, sliding windows and attention dropout are not built into its blocks yet."""
+    if hybrid.context_parallel_size == 1 or hybrid.context_parallel_comm != "p2p":
+        return
+    key = f"{SECTION}.context_parallel_comm 'p2p'"
+    if hybrid.data.document_mask:
+        raise ConfigError(f"{key} does not support {SECTION}.data.document_mask yet (use 'a2a')")
+    if sliding_window is not None:
+        raise ConfigError(f"{key} does not support the model's sliding_window yet (use 'a2a')")
+    if attention_dropout:
+        raise ConfigError(f"{key} does not support attention_dropout > 0 yet")
+
+
 def check_lora(is_moe: bool, pipeline_zero2: bool) -> None:
     """LoRA (hybrid3d.lora) runs with every layout, schedule and ZeRO stage of a dense model, except: experts carry
     no adapters, and pipeline_zero2's deferred gradients assume every parameter of a stage is trained."""

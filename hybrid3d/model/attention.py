@@ -42,6 +42,7 @@ from hybrid3d.parallel.tensor_parallel import (
     copy_to_tp_region,
     tensor_parallel_rng,
 )
+from hybrid3d.parallel.ring_attention import ring_attention, ring_positions
 from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
 from hybrid3d.parallel.tensor_parallel.lora import column_linears_with_adapters
 
@@ -120,7 +121,7 @@ class Attention(nn.Module):
         self.heads = shape.num_heads // tp.size
         self.kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp.size)
         # kv heads after repetition for the context-parallel exchange (this rank's own without CP)
-        self.exchanged_kv_heads = context_kv_heads(self.kv_heads, self.cp.size)
+        self.exchanged_kv_heads = context_kv_heads(self.kv_heads, 1 if self.cp.ring else self.cp.size)
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
@@ -140,7 +141,7 @@ class Attention(nn.Module):
         self.core = CoreAttention(shape)
         # batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
         self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
-                                 if self.cp.size > 1 else None)
+                                 if self.cp.size > 1 and not self.cp.ring else None)
         attach_block_adapters(self, "self_attn", shape, tp, **kw)  # LoRA, where shape.lora_targets asks
 
     def forward(self, x, positions=None):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same; positions (b, s)
@@ -161,11 +162,21 @@ class Attention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None:  # per head, so before the context-parallel exchange as well as after
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.context_parallel is None:
+        if self.cp.ring:  # ring attention: this rank's chunks r and 2c-1-r of every sequence, K/V around the ring
+            out = self._ring_attention(q, k, v)
+        elif self.context_parallel is None:
             out = self.core(q, k, v, positions)
         else:
             repeats = self.exchanged_kv_heads // self.kv_heads
             if repeats > 1:  # every CP rank needs a kv head of its own: (b, s/c, c, d)
                 k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
             out = self.context_parallel(q, k, v, 0, positions=positions)  # all-to-all, core on (b, s, a/(t·c), d), all-to-all back
-        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))  # (b, s/c, a·d/t) in
+        return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
+
+    def _ring_attention(self, q, k, v):  # (b, n, a/t, d), (b, n, kv/t, d) x 2 -> (b, n, a/t, d); n = s/c
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, n, d)
+        s = q.shape[2] * self.cp.size
+        cos, sin = self.core.rotary.cos_sin(s, q.device, q.dtype)  # positions 0..s-1 of the whole sequence
+        positions = ring_positions(s, self.cp, q.device)  # RoPE at this rank's global positions
+        q, k = apply_rope(q, cos[positions], sin[positions]), apply_rope(k, cos[positions], sin[positions])
+        return ring_attention(q, k, v, self.cp).transpose(1, 2)  # (b, s/c, a·d/t) in

@@ -155,9 +155,9 @@ def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     return kind
 
 
-def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1) -> None:
+def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1, ring: bool = False) -> None:
     """Raise LayoutError if TP size t, pp stages, context-parallel size cp and expert-parallel size ep cannot
-    split `shape` exactly."""
+    split `shape` exactly. Ring attention (`ring`) splits no heads over cp: only Ulysses needs cp to divide them."""
     if shape.num_heads % t:
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size ({t})")
     kv = shape.num_kv_heads
@@ -165,14 +165,15 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
         raise LayoutError(
             f"num_key_value_heads ({kv}) and tensor_parallel_size ({t}) must divide one another "
             f"(kv heads are split when tp <= {kv}, replicated when tp is a multiple of {kv})")
-    if shape.num_heads % (t * cp):
+    cp_heads = 1 if ring else cp  # the CP ranks that split a TP rank's heads
+    if shape.num_heads % (t * cp_heads):
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size * "
-                          f"context_parallel_size ({t} * {cp}): each context-parallel rank attends with whole heads")
+                          f"context_parallel_size ({t} * {cp_heads}): each context-parallel rank attends with whole heads")
     kv_t = kv_heads_per_rank(kv, t)
-    if kv_t % cp and cp % kv_t:
+    if kv_t % cp_heads and cp_heads % kv_t:
         raise LayoutError(
             f"the {kv_t} kv heads of a tensor-parallel rank (num_key_value_heads {kv} / tensor_parallel_size {t}) "
-            f"and context_parallel_size ({cp}) must divide one another")
+            f"and context_parallel_size ({cp_heads}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
     check_experts(shape.num_experts, t, pp, cp, ep)

@@ -15,15 +15,20 @@ import deepspeed.comm as dist
 import torch
 
 from hybrid3d.parallel.rank_groups import ContextParallelGroup
+from hybrid3d.parallel.ring_attention import ring_shard
 
 
 def sequence_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """(b, s, ...) -> (b, s/c, ...): this rank's contiguous positions."""
+    """(b, s, ...) -> (b, s/c, ...): this rank's contiguous positions; with ring attention its chunks r and
+    2c-1-r of 2c (`ring_attention.ring_shard`)."""
     if cp.size == 1:
         return x
     s = x.shape[1]
-    if s % cp.size:
-        raise ValueError(f"sequence length {s} is not divisible by context_parallel_size {cp.size}")
+    if s % (2 * cp.size if cp.ring else cp.size):
+        raise ValueError(f"sequence length {s} is not divisible by context_parallel_size {cp.size}"
+                         + (" x 2 (ring attention's two chunks a rank)" if cp.ring else ""))
+    if cp.ring:
+        return ring_shard(x, cp)
     return x[:, cp.rank * s // cp.size:(cp.rank + 1) * s // cp.size].contiguous()
 
 

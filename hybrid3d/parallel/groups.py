@@ -20,7 +20,8 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"layout {layout.name} needs {layout.world_size} ranks (tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}"
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
-    context = _context_group(grid_topology(grid), layout.cp) if layout.cp > 1 else ContextParallelGroup.single()
+    context = (_context_group(grid_topology(grid), layout.cp, layout.ring) if layout.cp > 1
+               else ContextParallelGroup.single())
     groups = ProcessGroups(layout, grid, context)
     if layout.ep == 1:
         return groups
@@ -43,7 +44,7 @@ def _expert_group(mpu: "ProcessGroups", topology, layout: ParallelLayout) -> Exp
     return ExpertParallelGroup(group=group, rank=me.data % layout.ep, size=layout.ep, name=name)
 
 
-def _context_group(topology, cp: int) -> ContextParallelGroup:
+def _context_group(topology, cp: int, ring: bool) -> ContextParallelGroup:
     """Create every CP group, the c ranks of one (pipe, model) pair whose data' = data·c + r differ in r only
     (a collective: all ranks create all groups in the same order), and return this rank's."""
     mine = None
@@ -53,7 +54,7 @@ def _context_group(topology, cp: int) -> ContextParallelGroup:
                 ranks = [topology.get_rank(pipe=pipe, data=data + r, model=model) for r in range(cp)]
                 group = dist.new_group(ranks=ranks)
                 if dist.get_rank() in ranks:
-                    mine = ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=cp)
+                    mine = ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=cp, ring=ring)
     return mine
 
 

@@ -49,6 +49,7 @@ class ContextParallelGroup(_RankGroup):
     """The context-parallel (DeepSpeed-Ulysses) group: the c ranks that each hold s/c of every sequence
     and exchange attention heads for sequence positions around the attention core."""
 
+    ring: bool = False  # ring attention over the group (parallel/ring_attention.py), else DeepSpeed-Ulysses
     KIND: ClassVar[str] = "context-parallel"
 
 

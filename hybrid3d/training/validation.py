@@ -22,7 +22,7 @@ from hybrid3d.errors import ConfigError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.config.support import check_lora, check_moe_options
+from hybrid3d.config.support import check_lora, check_moe_options, check_ring_attention
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 
@@ -54,7 +54,8 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     if hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
     shape = with_lora(shape, hybrid)
-    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep)
+    check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep, ring=layout.ring)
+    check_ring_attention(hybrid, shape.sliding_window, shape.attention_dropout)
     check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
                       use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,

@@ -1,0 +1,59 @@
+"""context_parallel_comm (issue 36) refused in one line naming the key, and ring attention's layout rules (no
+process group): the load-balanced chunks and what the heads no longer limit."""
+
+import pytest
+import torch
+from transformers import LlamaConfig
+
+from hybrid3d.errors import ConfigError, LayoutError
+from hybrid3d.model import LlamaShape
+from hybrid3d.model.tp_plan import check_split
+from hybrid3d.parallel.rank_groups import ContextParallelGroup
+from hybrid3d.parallel.ring_attention import chunk_positions
+from hybrid3d.training.validation import validate_run
+from tests.distributed.engine_runs import ds_config
+
+SIX_HEADS = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=256))
+
+
+def config(**hybrid) -> dict:
+    raw = ds_config(1, 1, 1)
+    raw["hybrid3d"].update(context_parallel_size=2, **hybrid)
+    return raw
+
+
+def test_refusals_name_the_key():
+    cases = [
+        (config(context_parallel_comm="ring"), "hybrid3d.context_parallel_comm must be one of a2a, p2p"),
+        (config(context_parallel_comm="a2a+p2p"), "'a2a+p2p' (Ulysses x ring) is not supported yet"),
+        (config(context_parallel_comm="p2p", data={"document_mask": True}),
+         "'p2p' does not support hybrid3d.data.document_mask yet"),
+        (config(context_parallel_comm="p2p", data={"seq_length": 130}),
+         "seq_length (130) is not divisible by context_parallel_size (2) * 2 (ring attention)"),
+    ]
+    for raw, needle in cases:
+        with pytest.raises(ConfigError) as caught:
+            validate_run(raw, 2, SIX_HEADS)
+        assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
+
+
+def test_ring_lifts_the_head_limit_ulysses_has():
+    with pytest.raises(LayoutError, match="not divisible by tensor_parallel_size \\* context_parallel_size"):
+        check_split(SIX_HEADS, 2, cp=2)
+    check_split(SIX_HEADS, 2, cp=2, ring=True)
+    check_split(SIX_HEADS, 2, cp=4, ring=True)
+    run = validate_run(config(context_parallel_comm="p2p", tensor_parallel_size=2), 4, SIX_HEADS)
+    assert run.layout.ring and run.layout.cp == 2
+
+
+def test_chunks_balance_the_causal_work():
+    """Rank r holds chunks r and 2c-1-r of 2c: together the ranks hold every position once, and each has the same
+    number of (query, key) pairs at or before the query (the causal work)."""
+    s, c = 32, 4
+    held = [chunk_positions(r, c, s) for r in range(c)]
+    assert torch.equal(torch.sort(torch.cat(held)).values, torch.arange(s))
+    work = {int((p + 1).sum()) for p in held}  # keys at or before each query position p: p + 1
+    assert len(work) == 1
+    assert chunk_positions(1, 2, 8).tolist() == [2, 3, 4, 5]
+    assert ContextParallelGroup(group=object(), rank=0, size=2, ring=True).ring
