@@ -178,7 +178,7 @@ def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
         if pp > 1:
             turn_off_pipe_partitioning(ds, f"{SECTION}.sequence_parallel: the stage-to-stage activations are "
                                            "already split over TP")
-    ring = cp > 1 and hybrid.context_parallel_comm == "p2p"  # 2c chunks, each split over TP with SP
+    ring = cp > 1 and hybrid.context_parallel_comm != "a2a"  # 2c chunks, each split over TP with SP
     split = cp * (2 if ring else 1) * (tp if sp else 1)
     if seq % split:
         what = " * ".join(([f"context_parallel_size ({cp})"] if cp > 1 else []) + (["2 (ring attention)"] if ring else [])

@@ -86,7 +86,8 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     hybrid = hybrid if hybrid is not None else parse_hybrid_section(raw)
     layout = ParallelLayout.for_world(world_size, hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size,
                                       hybrid.context_parallel_size, hybrid.sequence_parallel,
-                                      hybrid.expert_parallel_size, ring=hybrid.context_parallel_comm == "p2p")
+                                      hybrid.expert_parallel_size, ring=hybrid.context_parallel_comm != "a2a",
+                                      cp_a2a=hybrid.context_parallel_a2a_size)
     ds = {k: v for k, v in raw.items() if k != SECTION}
     ds = json.loads(json.dumps(ds))  # a private deep copy: DeepSpeed edits its config in place
     check_sequence_splits(ds, hybrid)

@@ -86,7 +86,7 @@ class HybridSection:
     context_parallel_size: int = 1
     # How the c ranks share attention (Megatron's names): "a2a" DeepSpeed-Ulysses (heads exchanged all-to-all; c
     # divides the heads of a TP rank), "p2p" ring attention (K/V blocks passed around the ring; any c).
-    # "a2a+p2p" (Ulysses inside groups of context_parallel_a2a_size, ring across them) is not built yet.
+    # "a2a+p2p": Ulysses inside groups of context_parallel_a2a_size consecutive CP ranks, a ring across them.
     context_parallel_comm: str = "a2a"
     context_parallel_a2a_size: int = 1
     # Expert parallelism (GShard; DeepSpeed-MoE) for mixture-of-experts models: each of e data-parallel ranks
@@ -205,18 +205,21 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
     return section
 
 
-CONTEXT_PARALLEL_COMMS = ("a2a", "p2p")
+CONTEXT_PARALLEL_COMMS = ("a2a", "p2p", "a2a+p2p")
 
 
 def _check_context_parallel_comm(section: HybridSection) -> None:
     comm, key = section.context_parallel_comm, f"{SECTION}.context_parallel_comm"
-    if comm == "a2a+p2p":
-        raise ConfigError(f"{key} 'a2a+p2p' (Ulysses x ring) is not supported yet: use 'a2a' or 'p2p'")
     if comm not in CONTEXT_PARALLEL_COMMS:
         raise ConfigError(f"{key} must be one of {', '.join(CONTEXT_PARALLEL_COMMS)}, got {comm!r}")
-    if section.context_parallel_a2a_size != 1:
-        raise ConfigError(f"{SECTION}.context_parallel_a2a_size applies to context_parallel_comm 'a2a+p2p' only, "
-                          "which is not supported yet")
+    c, u = section.context_parallel_size, section.context_parallel_a2a_size
+    if comm != "a2a+p2p":
+        if u != 1:
+            raise ConfigError(f"{SECTION}.context_parallel_a2a_size applies to context_parallel_comm 'a2a+p2p' only")
+        return
+    if not 1 < u < c or c % u:
+        raise ConfigError(f"{SECTION}.context_parallel_a2a_size ({u}) must divide context_parallel_size ({c}) and lie "
+                          "strictly between 1 and it (Ulysses inside, a ring of at least 2 across)")
 
 
 def _check_lora(section: HybridSection) -> None:

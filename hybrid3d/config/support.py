@@ -88,9 +88,9 @@ def check_schedule_with_pipeline_zero2(hybrid: HybridSection) -> None:
 def check_ring_attention(hybrid: HybridSection, sliding_window, attention_dropout: float) -> None:
     """Ring attention (context_parallel_comm 'p2p') computes causal attention over whole sequences: packed-document
     masks, sliding windows and attention dropout are not built into its blocks yet."""
-    if hybrid.context_parallel_size == 1 or hybrid.context_parallel_comm != "p2p":
+    if hybrid.context_parallel_size == 1 or hybrid.context_parallel_comm == "a2a":
         return
-    key = f"{SECTION}.context_parallel_comm 'p2p'"
+    key = f"{SECTION}.context_parallel_comm {hybrid.context_parallel_comm!r}"
     if hybrid.data.document_mask:
         raise ConfigError(f"{key} does not support {SECTION}.data.document_mask yet (use 'a2a')")
     if sliding_window is not None:

@@ -42,7 +42,7 @@ from hybrid3d.parallel.tensor_parallel import (
     copy_to_tp_region,
     tensor_parallel_rng,
 )
-from hybrid3d.parallel.ring_attention import ring_attention, ring_positions
+from hybrid3d.parallel.ring_attention import position_table, ring_attention
 from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
 from hybrid3d.parallel.tensor_parallel.lora import column_linears_with_adapters
 
@@ -111,6 +111,27 @@ class CoreAttention(nn.Module):
         return out.transpose(1, 2)  # (b, s, heads, d)
 
 
+class RingCoreAttention(nn.Module):
+    """RoPE at the global positions, then ring attention around the CP group's ring (parallel/ring_attention.py):
+    (b, m, heads, d) q and (b, m, kv, d) k, v -> (b, m, heads, d), m the positions of this rank's ring member
+    (its own s/c, or with a2a+p2p its Ulysses group's a2a·s/c after the all-to-all)."""
+
+    def __init__(self, shape: LlamaShape, cp: ContextParallelGroup):
+        super().__init__()
+        self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        self.cp = cp
+
+    def forward(self, q, k, v, positions=None):  # positions: documents are refused with a ring (config/support.py)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, m, d)
+        ring = self.cp.ring_members()
+        s = q.shape[2] * ring.size
+        table = position_table(self.cp, s, q.device)  # (ring size, m): every member's global positions
+        cos, sin = self.rotary.cos_sin(s, q.device, q.dtype)  # positions 0..s-1 of the whole sequence
+        mine = table[ring.rank]
+        q, k = apply_rope(q, cos[mine], sin[mine]), apply_rope(k, cos[mine], sin[mine])
+        return ring_attention(q, k, v, table, ring).transpose(1, 2)
+
+
 class Attention(nn.Module):
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
                  device=None, dtype=None):
@@ -121,7 +142,9 @@ class Attention(nn.Module):
         self.heads = shape.num_heads // tp.size
         self.kv_heads = kv_heads_per_rank(shape.num_kv_heads, tp.size)
         # kv heads after repetition for the context-parallel exchange (this rank's own without CP)
-        self.exchanged_kv_heads = context_kv_heads(self.kv_heads, 1 if self.cp.ring else self.cp.size)
+        # Ulysses' ranks: all of CP, none with a ring, the a2a_size inside each ring member with a2a+p2p
+        ulysses = (self.cp.a2a_size if self.cp.ring else self.cp.size)
+        self.exchanged_kv_heads = context_kv_heads(self.kv_heads, ulysses)
         init = normal_init(shape.initializer_range)
         h, d = shape.hidden_size, shape.head_dim
         kw = dict(device=device, dtype=dtype)
@@ -139,9 +162,15 @@ class Attention(nn.Module):
         self.q_norm = HeadRMSNorm(d, shape.rms_norm_eps, tp, **kw) if shape.qk_norm else None
         self.k_norm = HeadRMSNorm(d, shape.rms_norm_eps, tp, **kw) if shape.qk_norm else None
         self.core = CoreAttention(shape)
-        # batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
-        self.context_parallel = (DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
-                                 if self.cp.size > 1 and not self.cp.ring else None)
+        self.ring_core = RingCoreAttention(shape, self.cp) if self.cp.ring else None
+        # Ulysses on batch-first tensors: scatter the heads (dim 2), gather the sequence (dim 1)
+        if self.cp.size > 1 and not self.cp.ring:
+            self.context_parallel = DistributedAttention(self.core, self.cp.group, scatter_idx=2, gather_idx=1)
+        elif self.cp.ring and self.cp.a2a_size > 1:  # a2a+p2p: Ulysses around the ring core
+            self.context_parallel = DistributedAttention(self.ring_core, self.cp.a2a_group, scatter_idx=2,
+                                                         gather_idx=1)
+        else:
+            self.context_parallel = None
         attach_block_adapters(self, "self_attn", shape, tp, **kw)  # LoRA, where shape.lora_targets asks
 
     def forward(self, x, positions=None):  # (b, s/c, h), or (b, s/(c·t), h) with SP -> the same; positions (b, s)
@@ -162,8 +191,8 @@ class Attention(nn.Module):
         v = v.view(b, s, self.kv_heads, self.head_dim)
         if self.q_norm is not None:  # per head, so before the context-parallel exchange as well as after
             q, k = self.q_norm(q), self.k_norm(k)
-        if self.cp.ring:  # ring attention: this rank's chunks r and 2c-1-r of every sequence, K/V around the ring
-            out = self._ring_attention(q, k, v)
+        if self.cp.ring and self.context_parallel is None:  # ring attention: this rank's chunks, K/V around the ring
+            out = self.ring_core(q, k, v)
         elif self.context_parallel is None:
             out = self.core(q, k, v, positions)
         else:
@@ -172,11 +201,3 @@ class Attention(nn.Module):
                 k, v = k.repeat_interleave(repeats, dim=2), v.repeat_interleave(repeats, dim=2)
             out = self.context_parallel(q, k, v, 0, positions=positions)  # all-to-all, core on (b, s, a/(t·c), d), all-to-all back
         return self.o_proj(out.reshape(b, s, self.heads * self.head_dim))
-
-    def _ring_attention(self, q, k, v):  # (b, n, a/t, d), (b, n, kv/t, d) x 2 -> (b, n, a/t, d); n = s/c
-        q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, n, d)
-        s = q.shape[2] * self.cp.size
-        cos, sin = self.core.rotary.cos_sin(s, q.device, q.dtype)  # positions 0..s-1 of the whole sequence
-        positions = ring_positions(s, self.cp, q.device)  # RoPE at this rank's global positions
-        q, k = apply_rope(q, cos[positions], sin[positions]), apply_rope(k, cos[positions], sin[positions])
-        return ring_attention(q, k, v, self.cp).transpose(1, 2)  # (b, s/c, a·d/t) in

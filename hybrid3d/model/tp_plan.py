@@ -155,9 +155,11 @@ def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     return kind
 
 
-def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1, ring: bool = False) -> None:
+def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1, ring: bool = False,
+                cp_a2a: int = 1) -> None:
     """Raise LayoutError if TP size t, pp stages, context-parallel size cp and expert-parallel size ep cannot
-    split `shape` exactly. Ring attention (`ring`) splits no heads over cp: only Ulysses needs cp to divide them."""
+    split `shape` exactly. Ring attention (`ring`) splits no heads over its ring: only Ulysses (all of cp, or the
+    `cp_a2a` ranks inside each ring member) needs to divide them."""
     if shape.num_heads % t:
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size ({t})")
     kv = shape.num_kv_heads
@@ -165,7 +167,7 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
         raise LayoutError(
             f"num_key_value_heads ({kv}) and tensor_parallel_size ({t}) must divide one another "
             f"(kv heads are split when tp <= {kv}, replicated when tp is a multiple of {kv})")
-    cp_heads = 1 if ring else cp  # the CP ranks that split a TP rank's heads
+    cp_heads = cp_a2a if ring else cp  # the CP ranks that split a TP rank's heads (Ulysses')
     if shape.num_heads % (t * cp_heads):
         raise LayoutError(f"num_attention_heads ({shape.num_heads}) is not divisible by tensor_parallel_size * "
                           f"context_parallel_size ({t} * {cp_heads}): each context-parallel rank attends with whole heads")

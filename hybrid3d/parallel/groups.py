@@ -20,7 +20,7 @@ def build_groups(layout: ParallelLayout) -> "ProcessGroups":
             f"layout {layout.name} needs {layout.world_size} ranks (tp*pp*dp*cp = {layout.tp}*{layout.pp}*{layout.dp}"
             f"*{layout.cp}) but the world has {world}")
     grid = PipelineParallelGrid(topology=layout.topology())
-    context = (_context_group(grid_topology(grid), layout.cp, layout.ring) if layout.cp > 1
+    context = (_context_group(grid_topology(grid), layout.cp, layout.ring, layout.cp_a2a) if layout.cp > 1
                else ContextParallelGroup.single())
     groups = ProcessGroups(layout, grid, context)
     if layout.ep == 1:
@@ -44,17 +44,25 @@ def _expert_group(mpu: "ProcessGroups", topology, layout: ParallelLayout) -> Exp
     return ExpertParallelGroup(group=group, rank=me.data % layout.ep, size=layout.ep, name=name)
 
 
-def _context_group(topology, cp: int, ring: bool) -> ContextParallelGroup:
+def _context_group(topology, cp: int, ring: bool, a2a: int = 1) -> ContextParallelGroup:
     """Create every CP group, the c ranks of one (pipe, model) pair whose data' = data·c + r differ in r only
-    (a collective: all ranks create all groups in the same order), and return this rank's."""
+    (a collective: all ranks create all groups in the same order), and return this rank's. With a2a+p2p (`a2a` >
+    1) also each group's Ulysses groups (a2a consecutive ranks) and rings (the ranks at one place in those)."""
     mine = None
     for pipe in range(topology.get_dim("pipe")):
         for model in range(topology.get_dim("model")):
             for data in range(0, topology.get_dim("data"), cp):
                 ranks = [topology.get_rank(pipe=pipe, data=data + r, model=model) for r in range(cp)]
                 group = dist.new_group(ranks=ranks)
+                a2a_groups = ring_groups = [None] * cp
+                if a2a > 1:
+                    a2a_groups = [dist.new_group(ranks=ranks[k:k + a2a]) for k in range(0, cp, a2a)]
+                    ring_groups = [dist.new_group(ranks=ranks[k::a2a]) for k in range(a2a)]
                 if dist.get_rank() in ranks:
-                    mine = ContextParallelGroup(group=group, rank=ranks.index(dist.get_rank()), size=cp, ring=ring)
+                    r = ranks.index(dist.get_rank())
+                    mine = ContextParallelGroup(group=group, rank=r, size=cp, ring=ring, a2a_size=a2a,
+                                                a2a_group=a2a_groups[r // a2a] if a2a > 1 else None,
+                                                ring_group=ring_groups[r % a2a] if a2a > 1 else None)
     return mine
 
 

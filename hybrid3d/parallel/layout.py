@@ -35,7 +35,8 @@ class ParallelLayout:
     cp: int = 1
     sp: bool = False
     ep: int = 1
-    ring: bool = False  # context parallelism by ring attention (context_parallel_comm 'p2p'), not Ulysses
+    ring: bool = False  # context parallelism by ring attention (context_parallel_comm 'p2p' or 'a2a+p2p')
+    cp_a2a: int = 1  # with a ring: the Ulysses ranks inside each ring member ('a2a+p2p': context_parallel_a2a_size)
 
     def __post_init__(self):
         for name in ("tp", "pp", "dp", "cp", "ep"):
@@ -50,7 +51,7 @@ class ParallelLayout:
 
     @classmethod
     def for_world(cls, world_size: int, tp: int = 1, pp: int = 1, cp: int = 1, sp: bool = False,
-                  ep: int = 1, ring: bool = False) -> "ParallelLayout":
+                  ep: int = 1, ring: bool = False, cp_a2a: int = 1) -> "ParallelLayout":
         """Derive dp = world / (tp * pp * cp)."""
         if tp < 1 or pp < 1 or cp < 1:
             raise LayoutError(f"hybrid3d.tensor_parallel_size ({tp}), pipeline_parallel_size ({pp}) and "
@@ -60,7 +61,8 @@ class ParallelLayout:
                 " * hybrid3d.context_parallel_size" if cp > 1 else "")
             sizes = f"{tp} * {pp}" + (f" * {cp}" if cp > 1 else "")
             raise LayoutError(f"world size {world_size} is not divisible by {names} = {sizes} = {tp * pp * cp}")
-        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp, ep=ep, ring=ring and cp > 1)
+        return cls(tp=tp, pp=pp, dp=world_size // (tp * pp * cp), cp=cp, sp=sp, ep=ep, ring=ring and cp > 1,
+                   cp_a2a=cp_a2a if ring and cp > 1 else 1)
 
     @property
     def world_size(self) -> int:

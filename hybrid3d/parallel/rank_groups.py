@@ -50,7 +50,23 @@ class ContextParallelGroup(_RankGroup):
     and exchange attention heads for sequence positions around the attention core."""
 
     ring: bool = False  # ring attention over the group (parallel/ring_attention.py), else DeepSpeed-Ulysses
+    # a2a+p2p (USP, Fang & Zhao 2024): Ulysses over `a2a_size` consecutive ranks of the group (`a2a_group`), ring
+    # attention over the size/a2a_size ranks with the same place in theirs (`ring_group`)
+    a2a_size: int = 1
+    a2a_group: Optional[Any] = None
+    ring_group: Optional[Any] = None
     KIND: ClassVar[str] = "context-parallel"
+
+    def ring_members(self) -> "ContextParallelGroup":
+        """The ring this rank attends around: the whole group, or with a2a+p2p its ring_group."""
+        if self.a2a_size == 1:
+            return self
+        return ContextParallelGroup(group=self.ring_group, rank=self.rank // self.a2a_size,
+                                    size=self.size // self.a2a_size, ring=True)
+
+    def a2a_members(self) -> "ContextParallelGroup":
+        """The Ulysses group of a2a+p2p (the whole group without a ring)."""
+        return ContextParallelGroup(group=self.a2a_group, rank=self.rank % self.a2a_size, size=self.a2a_size)
 
 
 @dataclass(frozen=True)

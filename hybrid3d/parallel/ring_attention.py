@@ -2,7 +2,7 @@
 heads (Liu et al. 2023, "Ring Attention with Blockwise Transformers"; Megatron's p2p context parallelism).
 
 Layout (Megatron's causal load balance): the sequence is cut into 2c chunks and rank r holds chunks r and 2c-1-r
-(`ring_positions`), so every rank has as many causal (query, key) pairs to compute as any other.
+(`chunk_positions`; with a2a+p2p each chunk is further cut over the Ulysses ranks, `rank_positions`), so every rank has as many causal (query, key) pairs to compute as any other.
 
 Forward: each rank keeps its queries; the K/V blocks (kv heads as they are, GQA not repeated) travel around the ring
 with point-to-point sends to the next rank and receives from the previous one, c-1 hops, each overlapped with the
@@ -25,21 +25,30 @@ from hybrid3d.parallel.rank_groups import ContextParallelGroup
 
 
 def chunk_positions(rank: int, c: int, s: int, device=None) -> torch.Tensor:
-    """The global positions rank `rank` of c holds: chunks rank and 2c-1-rank of 2c equal chunks. (s/c,) long."""
+    """The global positions ring member `rank` of c holds: chunks rank and 2c-1-rank of 2c equal chunks. (s/c,)"""
     chunk = s // (2 * c)
     first, second = rank, 2 * c - 1 - rank
     return torch.cat([torch.arange(first * chunk, (first + 1) * chunk, device=device),
                       torch.arange(second * chunk, (second + 1) * chunk, device=device)])
 
 
-def ring_positions(s: int, cp: ContextParallelGroup, device=None) -> torch.Tensor:
-    """This rank's global positions of a sequence of s (`chunk_positions`)."""
-    return chunk_positions(cp.rank, cp.size, s, device)
+def rank_positions(rank: int, c: int, a2a: int, s: int, device=None) -> torch.Tensor:
+    """The positions CP rank `rank` of c holds in the data: its ring member's two chunks (ring of c/a2a), each cut
+    into a2a parts of which it takes part rank % a2a (a2a+p2p; a2a = 1: the whole chunks). (s/c,) long."""
+    member, part = rank // a2a, rank % a2a
+    chunks = chunk_positions(member, c // a2a, s, device).view(2, a2a, -1)  # (2 chunks, a2a parts, s/(2c))
+    return chunks[:, part].reshape(-1)
+
+
+def member_positions(member: int, c: int, a2a: int, s: int, device=None) -> torch.Tensor:
+    """The positions ring member `member` attends with: its a2a ranks' positions in their order, as Ulysses'
+    all-to-all gathers them (a2a = 1: the rank's own). (a2a·s/c,) long."""
+    return torch.cat([rank_positions(member * a2a + k, c, a2a, s, device) for k in range(a2a)])
 
 
 def ring_shard(x: torch.Tensor, cp: ContextParallelGroup) -> torch.Tensor:
-    """(b, s, ...) -> (b, s/c, ...): this rank's chunks r and 2c-1-r, in that order."""
-    return x[:, ring_positions(x.shape[1], cp, x.device)].contiguous()
+    """(b, s, ...) -> (b, s/c, ...): this rank's positions (`rank_positions`), in that order."""
+    return x[:, rank_positions(cp.rank, cp.size, cp.a2a_size, x.shape[1], x.device)].contiguous()
 
 
 class _Ring:
@@ -75,12 +84,12 @@ def _scores(q, k, scale, q_pos, k_pos):
 
 
 class RingAttention(torch.autograd.Function):
-    """Causal attention of this rank's queries over the whole sequence held across the ring.
+    """Causal attention of this rank's queries over the whole sequence held across the ring `cp`.
     q (b, h, n, d), k/v (b, g, n, d) with g kv heads dividing h, after RoPE at their global positions;
-    `positions` (n,) this rank's global positions (the same rule on every rank). -> (b, h, n, d)."""
+    `table` (c, n): the global positions of every ring member's n tokens, row cp.rank this rank's. -> (b, h, n, d)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, positions, cp: ContextParallelGroup):
+    def forward(ctx, q, k, v, table, cp: ContextParallelGroup):
         b, h, n, d = q.shape
         g = k.shape[1]
         scale = 1.0 / math.sqrt(d)
@@ -94,7 +103,7 @@ class RingAttention(torch.autograd.Function):
             if step < cp.size - 1:
                 received, requests = ring.start(block)
             source = (cp.rank - step) % cp.size
-            s, _ = _scores(qg, block[0], scale, positions, chunk_positions(source, cp.size, n * cp.size, positions.device))
+            s, _ = _scores(qg, block[0], scale, table[cp.rank], table[source])
             if s is not None:
                 block_lse = torch.logsumexp(s, dim=-1)  # (b, g, h/g, n); -inf where the row sees nothing
                 p = torch.exp(s - block_lse.unsqueeze(-1)).nan_to_num(0.0)
@@ -108,12 +117,12 @@ class RingAttention(torch.autograd.Function):
                 _wait(requests)
                 block = received
         ctx.cp, ctx.scale = cp, scale
-        ctx.save_for_backward(q, k, v, positions, out, lse)
+        ctx.save_for_backward(q, k, v, table, out, lse)
         return out.view(b, h, n, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx, grad_out):
-        q, k, v, positions, out, lse = ctx.saved_tensors
+        q, k, v, table, out, lse = ctx.saved_tensors
         cp, scale = ctx.cp, ctx.scale
         b, h, n, d = q.shape
         g = k.shape[1]
@@ -126,7 +135,7 @@ class RingAttention(torch.autograd.Function):
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             bk, bv, dk, dv = block
-            s, _ = _scores(qg, bk, scale, positions, chunk_positions(source, cp.size, n * cp.size, positions.device))
+            s, _ = _scores(qg, bk, scale, table[cp.rank], table[source])
             if s is not None:
                 p = torch.exp(s - lse.unsqueeze(-1))  # (b, g, h/g, n, m); 0 where masked
                 dv = dv + torch.einsum("bginm,bgind->bgmd", p, dout)
@@ -143,8 +152,13 @@ class RingAttention(torch.autograd.Function):
         return dq.view(b, h, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
 
 
-def ring_attention(q, k, v, cp: ContextParallelGroup):
-    """Causal attention over the sequence split across `cp` in ring layout: q (b, h, n, d), k/v (b, g, n, d) with
-    n = s/c this rank's positions (`ring_positions`), RoPE already applied. -> (b, h, n, d)."""
-    s = q.shape[2] * cp.size
-    return RingAttention.apply(q, k, v, ring_positions(s, cp, q.device), cp)
+def ring_attention(q, k, v, table: torch.Tensor, ring: ContextParallelGroup):
+    """Causal attention over the sequence held around `ring`: q (b, h, n, d), k/v (b, g, n, d) at the positions
+    `table[ring.rank]` (RoPE applied), `table` (c, n) every member's (`member_positions`). -> (b, h, n, d)."""
+    return RingAttention.apply(q, k, v, table, ring)
+
+
+def position_table(cp: ContextParallelGroup, s: int, device=None) -> torch.Tensor:
+    """(c/a2a, a2a·s/c): `member_positions` of every member of this rank's ring, for sequences of s."""
+    ring = cp.ring_members()
+    return torch.stack([member_positions(j, cp.size, cp.a2a_size, s, device) for j in range(ring.size)])

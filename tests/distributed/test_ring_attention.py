@@ -1,7 +1,7 @@
 """Ring attention (`context_parallel_comm: "p2p"`, issue 36) trains exactly like Hugging Face + torch AdamW (fp32, 5
 steps, losses and weights within 1e-5) at ring CP2 and CP4, TP2 x ring CP2 on a 6-head / 2-kv-head model (which
 Ulysses refuses: 6 heads do not split over TP2 x CP2), ring CP2 x PP2 with tied embeddings, and ring CP2 x DP2
-ZeRO-2 with activation checkpointing."""
+ZeRO-2 with activation checkpointing, and Ulysses 2 x ring 2 (`a2a+p2p`, CP4)."""
 
 import pytest
 import torch
@@ -20,6 +20,8 @@ RUNS = [
     dict(name="ring-CP4", case="gqa", tp=1, pp=1, zero=1, world=4, hybrid={**RING, "context_parallel_size": 4}),
     dict(name="TP2-ring-CP2-6heads", case="six_heads", tp=2, pp=1, zero=1, world=4,
          hybrid={**RING, "context_parallel_size": 2}),
+    dict(name="ulysses2-x-ring2", case="gqa", tp=1, pp=1, zero=1, world=4,
+         hybrid={"context_parallel_comm": "a2a+p2p", "context_parallel_size": 4, "context_parallel_a2a_size": 2}),
     dict(name="ring-CP2-PP2-tied", case="tied", tp=1, pp=2, zero=1, world=4,
          hybrid={**RING, "context_parallel_size": 2}),
     dict(name="ring-CP2-DP2-Z2-ckpt", case="gqa", tp=1, pp=1, zero=2, world=4, extra=CKPT,

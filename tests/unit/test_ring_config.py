@@ -9,7 +9,7 @@ from hybrid3d.errors import ConfigError, LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.rank_groups import ContextParallelGroup
-from hybrid3d.parallel.ring_attention import chunk_positions
+from hybrid3d.parallel.ring_attention import chunk_positions, member_positions, rank_positions
 from hybrid3d.training.validation import validate_run
 from tests.distributed.engine_runs import ds_config
 
@@ -19,14 +19,15 @@ SIX_HEADS = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=48, inter
 
 def config(**hybrid) -> dict:
     raw = ds_config(1, 1, 1)
-    raw["hybrid3d"].update(context_parallel_size=2, **hybrid)
+    raw["hybrid3d"].update({"context_parallel_size": 2, **hybrid})
     return raw
 
 
 def test_refusals_name_the_key():
     cases = [
         (config(context_parallel_comm="ring"), "hybrid3d.context_parallel_comm must be one of a2a, p2p"),
-        (config(context_parallel_comm="a2a+p2p"), "'a2a+p2p' (Ulysses x ring) is not supported yet"),
+        (config(context_parallel_comm="a2a+p2p"), "context_parallel_a2a_size (1) must divide context_parallel_size (2)"),
+        (config(context_parallel_a2a_size=2), "context_parallel_a2a_size applies to context_parallel_comm 'a2a+p2p'"),
         (config(context_parallel_comm="p2p", data={"document_mask": True}),
          "'p2p' does not support hybrid3d.data.document_mask yet"),
         (config(context_parallel_comm="p2p", data={"seq_length": 130}),
@@ -57,3 +58,15 @@ def test_chunks_balance_the_causal_work():
     assert len(work) == 1
     assert chunk_positions(1, 2, 8).tolist() == [2, 3, 4, 5]
     assert ContextParallelGroup(group=object(), rank=0, size=2, ring=True).ring
+
+
+def test_ulysses_inside_a_ring_holds_parts_of_the_ring_members_chunks():
+    """a2a+p2p at c = 4, a2a 2 on 16 positions: a ring of 2 members, each holding chunks j and 3-j of 4; each of its
+    two Ulysses ranks holds one half of each chunk, and Ulysses' all-to-all gathers them in rank order."""
+    assert [rank_positions(r, 4, 2, 16).tolist() for r in range(4)] == [
+        [0, 1, 12, 13], [2, 3, 14, 15], [4, 5, 8, 9], [6, 7, 10, 11]]
+    assert member_positions(0, 4, 2, 16).tolist() == [0, 1, 12, 13, 2, 3, 14, 15]
+    assert torch.equal(member_positions(1, 4, 1, 16), chunk_positions(1, 4, 16))
+    run = validate_run(config(context_parallel_comm="a2a+p2p", context_parallel_size=4, context_parallel_a2a_size=2),
+                       4, SIX_HEADS)
+    assert (run.layout.ring, run.layout.cp_a2a) == (True, 2)
