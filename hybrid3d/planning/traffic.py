@@ -142,6 +142,23 @@ def cp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, cp: int, pp: i
     return gas * stage_layer_count(shape, pp, stage) * passes * (2 * q + 2 * kv) * act_bytes
 
 
+def ring_bytes_per_layer(shape: LlamaShape, b: int, s: int, tp: int, cp: int, a2a: int = 1, act_bytes: int = 2,
+                         recompute: bool = False) -> tuple[int, int]:
+    """(forward, backward) bytes one rank sends around its ring per decoder layer and micro-batch
+    (`parallel/ring_attention.py`; ring of c_r = cp/a2a members, each holding m = a2a·s/cp positions after
+    Ulysses' exchange): forward passes its K/V block, 2·b·m·g·d elements with g the kv heads it attends with, on
+    c_r - 1 times (2·(c_r - 1)/c_r of the sequence's K/V); backward passes K/V with their fp32 gradients c_r - 1
+    times and the gradients home once; recomputation (activation checkpointing) repeats the forward."""
+    ring = cp // a2a
+    if ring == 1:
+        return 0, 0
+    g = cp_kv_heads(shape, tp, a2a) // a2a  # kv heads a rank attends with, after Ulysses' exchange if any
+    block = 2 * b * (a2a * s // cp) * g * shape.head_dim  # K and V elements
+    forward = (ring - 1) * block * act_bytes
+    backward = (ring - 1) * block * (act_bytes + 4) + block * 4
+    return forward * (2 if recompute else 1), backward
+
+
 def cp_loss_bytes_per_step(cp: int, gas: int) -> int:
     """Logged all_reduce bytes of the loss over the CP group per step: the (sum, count) pair in fp32, once
     per micro-batch (`parallel.context_parallel.sequence_mean`); 0 when cp == 1."""
