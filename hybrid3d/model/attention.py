@@ -129,7 +129,8 @@ class RingCoreAttention(nn.Module):
         cos, sin = self.rotary.cos_sin(s, q.device, q.dtype)  # positions 0..s-1 of the whole sequence
         mine = table[ring.rank]
         q, k = apply_rope(q, cos[mine], sin[mine]), apply_rope(k, cos[mine], sin[mine])
-        return ring_attention(q, k, v, table, ring).transpose(1, 2)
+        segment = s // (2 * self.cp.size)  # the runs of consecutive positions a rank holds (ring_attention.py)
+        return ring_attention(q, k, v, table, segment, ring).transpose(1, 2)
 
 
 class Attention(nn.Module):

@@ -12,11 +12,11 @@ is skipped. Backward runs the same ring: dQ accumulates on the query's rank; dK/
 arrive home after one more hop (FlashAttention-2's backward per block, Dao 2023: P = exp(S - lse),
 dS = P ∘ (dP - rowsum(dO ∘ O))).
 
-Blocks are computed with plain matmuls in fp32 (the CPU path; a fused kernel returning the log-sum-exp, as the flash
-and efficient SDPA ops do on GPUs, is not used yet).
+Each rank's tokens come in segments of consecutive positions (its chunks, or with a2a+p2p their parts), so a key
+segment is wholly before a query segment (attended whole), the same one (causal) or after it (skipped): each block
+is one call of torch's fused flash-attention kernel for CPUs, which returns the log-sum-exp (the GPU flash and
+efficient SDPA kernels do too, but are not wired here yet).
 """
-
-import math
 
 import torch
 import torch.distributed as torch_dist
@@ -73,89 +73,119 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def _scores(q, k, scale, q_pos, k_pos):
-    """Scaled scores of q (b, g, h/g, n, d) against k (b, g, m, d) in fp32 and the causal mask (n, m), or None
-    when no query sees any key."""
-    visible = k_pos[None, :] <= q_pos[:, None]  # (n, m)
-    if not visible.any():
-        return None, None
-    s = torch.einsum("bgind,bgmd->bginm", q.float(), k.float()) * scale
-    return s.masked_fill(~visible, float("-inf")), visible
+_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+def _visible_blocks(q_starts: list, k_starts: list) -> list:
+    """For each query segment i: (the key segments it sees whole, the one it sees causally or None). Segments are
+    runs of L consecutive positions starting at multiples of L, so a key segment is wholly before the query segment,
+    the same one (causal), or wholly after it (skipped)."""
+    return [([j for j, kb in enumerate(k_starts) if kb < qa], next((j for j, kb in enumerate(k_starts) if kb == qa),
+                                                                   None))
+            for qa in q_starts]
+
+
+def _segments(x, indices: list, length: int):
+    """The segments `indices` of x (..., n, d) concatenated along n: (..., len(indices)·length, d)."""
+    return torch.cat([x[..., j * length:(j + 1) * length, :] for j in indices], dim=-2)
+
+
+def _merge(out, lse, block_out, block_lse):
+    """Online softmax: two partial attentions over disjoint keys, by their log-sum-exps. out fp32 (..., n, d)."""
+    merged = torch.logaddexp(lse, block_lse)
+    out = out * torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1) + block_out.float() * torch.exp(
+        block_lse - merged).unsqueeze(-1)
+    return out, merged
 
 
 class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence held across the ring `cp`.
     q (b, h, n, d), k/v (b, g, n, d) with g kv heads dividing h, after RoPE at their global positions;
-    `table` (c, n): the global positions of every ring member's n tokens, row cp.rank this rank's. -> (b, h, n, d)."""
+    `table` (c, n): the global positions of every ring member's n tokens, row cp.rank this rank's, in segments of
+    `length` consecutive positions. -> (b, h, n, d).
+
+    Each (query segment, key segments) pair runs torch's fused CPU flash-attention kernel, which returns the
+    log-sum-exp the merge needs (`_scaled_dot_product_flash_attention_for_cpu` and its backward, given the merged
+    output and log-sum-exp: FlashAttention-2's per-block backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, cp: ContextParallelGroup):
+    def forward(ctx, q, k, v, table, length: int, cp: ContextParallelGroup):
         b, h, n, d = q.shape
-        g = k.shape[1]
-        scale = 1.0 / math.sqrt(d)
+        repeat = h // k.shape[1]  # the fused kernel takes as many kv heads as q heads: repeated here, not sent
         ring = _Ring(cp)
-        qg = q.view(b, g, h // g, n, d)
-        out = torch.zeros(b, g, h // g, n, d, dtype=torch.float32, device=q.device)
-        lse = torch.full((b, g, h // g, n), float("-inf"), device=q.device)
+        q_starts = table[cp.rank][::length].tolist()
+        out = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+        lse = torch.full((b, h, n), float("-inf"), device=q.device)
         block = [k, v]
         for step in range(cp.size):
             requests = None
             if step < cp.size - 1:
                 received, requests = ring.start(block)
             source = (cp.rank - step) % cp.size
-            s, _ = _scores(qg, block[0], scale, table[cp.rank], table[source])
-            if s is not None:
-                block_lse = torch.logsumexp(s, dim=-1)  # (b, g, h/g, n); -inf where the row sees nothing
-                p = torch.exp(s - block_lse.unsqueeze(-1)).nan_to_num(0.0)
-                block_out = torch.einsum("bginm,bgmd->bgind", p, block[1].float())
-                merged = torch.logaddexp(lse, block_lse)
-                old = torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1)
-                new = torch.exp(block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
-                out = out * old + block_out * new
-                lse = merged
+            bk, bv = (t.repeat_interleave(repeat, dim=1) for t in block)
+            for i, (whole, diagonal) in enumerate(_visible_blocks(q_starts, table[source][::length].tolist())):
+                rows = slice(i * length, (i + 1) * length)
+                for keys, causal in ((whole, False), ([diagonal] if diagonal is not None else [], True)):
+                    if keys:
+                        o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0,
+                                      causal)
+                        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
             if requests is not None:
                 _wait(requests)
                 block = received
-        ctx.cp, ctx.scale = cp, scale
-        ctx.save_for_backward(q, k, v, table, out, lse)
-        return out.view(b, h, n, d).to(q.dtype)
+        result = out.to(q.dtype)
+        ctx.cp, ctx.length = cp, length
+        ctx.save_for_backward(q, k, v, table, result, lse)
+        return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, table, out, lse = ctx.saved_tensors
-        cp, scale = ctx.cp, ctx.scale
+        cp, length = ctx.cp, ctx.length
         b, h, n, d = q.shape
         g = k.shape[1]
+        repeat = h // g
         ring = _Ring(cp)
-        qg = q.view(b, g, h // g, n, d)
-        dout = grad_out.reshape(b, g, h // g, n, d).float()
-        delta = (dout * out).sum(-1, keepdim=True)  # (b, g, h/g, n, 1): rowsum(dO ∘ O)
-        dq = torch.zeros(b, g, h // g, n, d, dtype=torch.float32, device=q.device)
+        grad_out = grad_out.contiguous()
+        q_starts = table[cp.rank][::length].tolist()
+        dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
         block = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(cp.size):
             source = (cp.rank - step) % cp.size
             bk, bv, dk, dv = block
-            s, _ = _scores(qg, bk, scale, table[cp.rank], table[source])
-            if s is not None:
-                p = torch.exp(s - lse.unsqueeze(-1))  # (b, g, h/g, n, m); 0 where masked
-                dv = dv + torch.einsum("bginm,bgind->bgmd", p, dout)
-                dp = torch.einsum("bgind,bgmd->bginm", dout, bv.float())
-                ds = p * (dp - delta) * scale
-                dq = dq + torch.einsum("bginm,bgmd->bgind", ds, bk.float())
-                dk = dk + torch.einsum("bginm,bgind->bgmd", ds, qg.float())
+            rk, rv = (t.repeat_interleave(repeat, dim=1) for t in (bk, bv))
+            dk_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)  # per q head, summed below
+            dv_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
+            for i, (whole, diagonal) in enumerate(_visible_blocks(q_starts, table[source][::length].tolist())):
+                rows = slice(i * length, (i + 1) * length)
+                for keys, causal in ((whole, False), ([diagonal] if diagonal is not None else [], True)):
+                    if not keys:
+                        continue
+                    gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
+                                                 _segments(rv, keys, length), out[:, :, rows],
+                                                 lse[:, :, rows].contiguous(), 0.0, causal)
+                    dq[:, :, rows] += gq.float()
+                    for piece, j in enumerate(keys):  # each key segment's share of the gradient
+                        part = slice(piece * length, (piece + 1) * length)
+                        dk_heads[:, :, j * length:(j + 1) * length] += gk[:, :, part].float()
+                        dv_heads[:, :, j * length:(j + 1) * length] += gv[:, :, part].float()
+            dk = dk + dk_heads.view(b, g, repeat, n, d).sum(2)  # the repeated heads' gradients to their kv head
+            dv = dv + dv_heads.view(b, g, repeat, n, d).sum(2)
             # every block moves on (the K/V to the next rank's queries, or their gradients home after the last)
             tensors = [dk, dv] if step == cp.size - 1 else [bk, bv, dk, dv]
             received, requests = ring.start(tensors)
             _wait(requests)
             block = received
         dk, dv = block  # our own K/V's gradients, back from the previous rank
-        return dq.view(b, h, n, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
 
-def ring_attention(q, k, v, table: torch.Tensor, ring: ContextParallelGroup):
+def ring_attention(q, k, v, table: torch.Tensor, length: int, ring: ContextParallelGroup):
     """Causal attention over the sequence held around `ring`: q (b, h, n, d), k/v (b, g, n, d) at the positions
-    `table[ring.rank]` (RoPE applied), `table` (c, n) every member's (`member_positions`). -> (b, h, n, d)."""
-    return RingAttention.apply(q, k, v, table, ring)
+    `table[ring.rank]` (RoPE applied), `table` (c, n) every member's (`member_positions`), in segments of `length`
+    consecutive positions. -> (b, h, n, d)."""
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), table, length, ring)
 
 
 def position_table(cp: ContextParallelGroup, s: int, device=None) -> torch.Tensor:
