@@ -71,7 +71,9 @@ def at_step(record: dict, step: int, samples_consumed: int) -> dict:
 
 def structure(shape_fields: dict) -> dict:
     """The STRUCTURAL_FIELDS of a shape (a LlamaShape's dict, or a record's `shape`)."""
-    return {k: shape_fields[k] for k in STRUCTURAL_FIELDS if k in shape_fields}
+    # a record read back from JSON holds lists where the shape holds tuples (lora_targets)
+    return {k: list(shape_fields[k]) if isinstance(shape_fields[k], tuple) else shape_fields[k]
+            for k in STRUCTURAL_FIELDS if k in shape_fields}
 
 
 def saved_layout(record: dict) -> dict:

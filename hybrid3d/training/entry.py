@@ -115,6 +115,10 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
         if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
             raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
                               f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
+        if plan.universal and shape.lora_rank:  # adapter-only files: no universal conversion built for them yet
+            raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
+                              f"{plan.meta['layout']}; a LoRA checkpoint resumes at the same layout only (or export "
+                              "it with hybrid2hf --lora adapter and start from it with hybrid3d.lora.adapter)")
     if args.eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     saved_step = checkpoint_step(plan.meta) if plan is not None else 0

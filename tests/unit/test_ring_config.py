@@ -35,7 +35,12 @@ def test_refusals_name_the_key():
     ]
     for raw, needle in cases:
         with pytest.raises(ConfigError) as caught:
-            validate_run(raw, 2, SIX_HEADS)
+            validate_run(raw, 2, SIX_HEADS, on_cpu=True)
+        assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
+    cases = [(config(context_parallel_comm="p2p"), "runs on the CPU accelerator only for now")]
+    for raw, needle in cases:
+        with pytest.raises(ConfigError) as caught:
+            validate_run(raw, 2, SIX_HEADS, on_cpu=False)
         assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
 
 
