@@ -74,3 +74,16 @@ def test_adapter_shapes_follow_the_base_split():
         assert lora_factor_shapes(base, shape, 2, r) == expected_tp2[module], module
     # TP16 > 8 kv heads: k/v weights replicated, so are their adapters
     assert lora_factor_shapes(LORA_TARGETS["k_proj"], shape, 16, r) == ((r, 4096), (1024, r))
+
+
+def test_a_saved_shape_read_back_from_json_has_the_same_structure():
+    """hybrid3d.json holds the shape as JSON (tuples become lists): a resume must still see the same model (every
+    resume was refused as "another model" when lora_targets came back as a list)."""
+    import dataclasses
+
+    from hybrid3d.checkpoint.schema import structure
+
+    shape = dataclasses.replace(LlamaShape.from_hf(LlamaConfig(**LLAMA)), lora_rank=4, lora_targets=("q_proj",))
+    saved = json.loads(json.dumps(dataclasses.asdict(shape)))
+    assert structure(saved) == structure(dataclasses.asdict(shape))
+    assert structure(saved) != structure(dataclasses.asdict(dataclasses.replace(shape, lora_targets=("v_proj",))))
