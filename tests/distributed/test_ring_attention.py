@@ -33,8 +33,8 @@ RUNS = [
 def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("ring")
     dirs = {"gqa": str(root / "gqa"), "tied": str(root / "tied"), "six_heads": str(root / "six")}
-    make_hf_llama(dirs["gqa"], "gqa_llama3", num_hidden_layers=4)
-    make_hf_llama(dirs["tied"], "mha_tied", num_hidden_layers=4)
+    make_hf_llama(dirs["gqa"], "gqa_llama3")  # 2 layers each: one per stage at PP2
+    make_hf_llama(dirs["tied"], "mha_tied")
     make_hf_llama(dirs["six_heads"], "gqa_llama3", hidden_size=48, num_attention_heads=6, num_key_value_heads=2)
     refs = {case: hf_reference_run(d) for case, d in dirs.items()}
     return {"refs": refs, "runs": run_worlds_by_size(train_runs, RUNS, root, dirs)}
