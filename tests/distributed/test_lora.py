@@ -244,7 +244,7 @@ def test_export_is_a_peft_adapter_and_a_merged_model(results, tmp_path):
 def test_bf16_keeps_the_base_in_bf16_and_masters_for_the_adapters_only(results):
     """bf16 with fp32 masters: every parameter is bf16 on the ranks, DeepSpeed's fp32 masters hold exactly a TP rank's
     adapters (the plan's shapes, checked by hand in tests/unit/test_lora_config.py), and the losses track the fp32
-    reference within bf16's rounding (measured here: 2.6e-5 relative)."""
+    reference within bf16's rounding (measured here: 6.7e-5 relative, 2-layer model)."""
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.tp_plan import LORA_TARGETS, lora_factor_shapes
 
