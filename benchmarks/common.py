@@ -95,6 +95,21 @@ def timed(fn, barrier) -> float:
     return time.perf_counter() - start
 
 
+def round_robin(measure, runs: list, repeats: int, maxed: tuple = ()) -> dict:
+    """{run name: measure(run)} over `repeats` rounds of every run in turn (the configurations' ratios then come from
+    the same minutes of the machine), each result's `step_times` concatenated over the rounds and its `maxed` keys
+    kept at their largest; every other key as the first round measured it."""
+    out = {}
+    for _ in range(repeats):
+        for run in runs:
+            result = measure(run)
+            kept = out.setdefault(run["name"], {**result, "step_times": []})
+            kept["step_times"] += result["step_times"]
+            for key in maxed:
+                kept[key] = max(kept[key], result[key])
+    return out
+
+
 def median(values):
     return statistics.median(values) if values else float("nan")
 

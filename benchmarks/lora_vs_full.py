@@ -27,6 +27,7 @@ from common import (  # noqa: E402
     median,
     random_batches,
     results_dir,
+    round_robin,
     run_world,
     timed,
 )
@@ -96,13 +97,7 @@ def run_config(run: dict, steps: int) -> dict:
 
 
 def world_main(rank, world_size, runs, repeats, steps):
-    out = {}
-    for _ in range(repeats):
-        for run in runs:
-            result = run_config(run, steps)
-            kept = out.setdefault(run["name"], {**result, "step_times": []})
-            kept["step_times"] += result["step_times"]
-    return out
+    return round_robin(lambda run: run_config(run, steps), runs, repeats)
 
 
 def modelled_states(run: dict, stage: int, dp_rank: int) -> int:

@@ -38,6 +38,7 @@ from common import (  # noqa: E402
     require_matplotlib,
     reset_peak_rss,
     results_dir,
+    round_robin,
     run_world,
     timed,
 )
@@ -108,14 +109,7 @@ def run_config(run: dict, steps: int) -> dict:
 
 
 def world_main(rank, world_size, runs, repeats, steps):
-    out = {}
-    for _ in range(repeats):
-        for run in runs:
-            result = run_config(run, steps)
-            kept = out.setdefault(run["name"], {**result, "step_times": [], "rss_peak": 0})
-            kept["step_times"] += result["step_times"]
-            kept["rss_peak"] = max(kept["rss_peak"], result["rss_peak"])
-    return out
+    return round_robin(lambda run: run_config(run, steps), runs, repeats, maxed=("rss_peak",))
 
 
 def modelled(run: dict, stage: int) -> dict:

@@ -20,7 +20,16 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import environment, environment_markdown, median, random_batches, results_dir, run_world, timed  # noqa
+from common import (  # noqa: E402
+    environment,
+    environment_markdown,
+    median,
+    random_batches,
+    results_dir,
+    round_robin,
+    run_world,
+    timed,
+)
 
 SHAPE = dict(vocab_size=4096, hidden_size=256, intermediate_size=704, num_layers=4, num_heads=8, num_kv_heads=4,
              head_dim=32)
@@ -82,13 +91,7 @@ def run_config(run: dict, steps: int) -> dict:
 
 
 def world_main(rank, world_size, runs, repeats, steps):
-    out = {}
-    for _ in range(repeats):
-        for run in runs:
-            result = run_config(run, steps)
-            kept = out.setdefault(run["name"], {**result, "step_times": []})
-            kept["step_times"] += result["step_times"]
-    return out
+    return round_robin(lambda run: run_config(run, steps), runs, repeats)
 
 
 def modelled(run: dict) -> dict:

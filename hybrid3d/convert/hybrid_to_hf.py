@@ -32,10 +32,10 @@ from hybrid3d.model.config import HF_CAUSAL_LM_CLASSES, LlamaShape
 from hybrid3d.model.hf_source import read_hf_config
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import is_adapter, merge_tp_shards, param_specs
-from hybrid3d.model.peft_adapter import WEIGHTS_FILE, merged_weights, write_adapter
+from hybrid3d.model.peft_adapter import WEIGHTS_FILE, adapted_weights, merged_weight, write_adapter
 from hybrid3d.model.layers import layer_classes
 from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.model.tp_plan import check_split
+from hybrid3d.model.tp_plan import check_split, lora_factor_shapes
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
@@ -75,7 +75,8 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     tp = checkpoint.tp
     check_split(shape, tp, checkpoint.pp)
     if lora is not None:
-        return _export_lora(checkpoint, shape, Path(out_dir), lora, dtype, config, side_dir, hf_config_dir, start)
+        return _export_lora(checkpoint, shape, Path(out_dir), lora, dtype, config, side_dir, hf_config_dir,
+                            _max_bytes(max_shard_size), start)
     specs = param_specs(shape, tp)
     expected = hf_parameter_shapes(config)
     mapped = {spec.hf_name for spec in specs}
@@ -85,15 +86,9 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     num_layers = len(layer_classes(shape))
     checkpoint.check_layer_files(num_layers)
     dtype = dtype or checkpoint.stored_dtype()
-    try:
-        max_bytes = parse_size(max_shard_size)
-    except ValueError as e:
-        raise ConversionError(f"max shard size: {e}") from None
+    max_bytes = _max_bytes(max_shard_size)
 
-    by_layer = {}
-    for spec in specs:
-        by_layer.setdefault(ds_files.split_local_name(spec.local_name)[0], []).append(spec)
-
+    by_layer = _by_layer(specs)
     with staging_dir(out_dir) as staging:
         writer = ShardedSafetensorsWriter(staging, [(s.hf_name, dtype, expected[s.hf_name]) for s in specs], max_bytes)
         for index in sorted(by_layer):
@@ -107,18 +102,30 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
                            time.perf_counter() - start)
 
 
+def _max_bytes(max_shard_size) -> int:
+    try:
+        return parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConversionError(f"max shard size: {e}") from None
+
+
+def _by_layer(specs) -> dict:
+    """{global layer index: its specs}, the order a layer's shards are read in (one layer in memory at a time)."""
+    by_layer = {}
+    for spec in specs:
+        by_layer.setdefault(ds_files.split_local_name(spec.local_name)[0], []).append(spec)
+    return by_layer
+
+
 def _export_lora(checkpoint: HybridCheckpoint, shape: LlamaShape, out_dir: Path, lora: str, dtype, config,
-                 side_dir, base_dir, start: float) -> Hybrid2HfResult:
+                 side_dir, base_dir, max_bytes: int, start: float) -> Hybrid2HfResult:
     """The adapters of a LoRA checkpoint, merged over TP (the plan's kinds), as a PEFT adapter folder or merged into
-    the base model's weights."""
-    specs = [spec for spec in param_specs(shape, checkpoint.tp) if is_adapter(spec)]
+    the base model's weights (streamed one tensor at a time, as the plain export streams one layer)."""
     tensors = {}
-    for index in sorted({ds_files.split_local_name(spec.local_name)[0] for spec in specs}):
+    for index, specs in sorted(_by_layer(s for s in param_specs(shape, checkpoint.tp) if is_adapter(s)).items()):
         shards = checkpoint.layer_tensors(index)
         for spec in specs:
-            if ds_files.split_local_name(spec.local_name)[0] == index:
-                pieces = [tensors_of[ds_files.split_local_name(spec.local_name)[1]] for _, tensors_of in shards]
-                tensors[spec.hf_name] = merge_tp_shards(spec, pieces, shape)
+            tensors[spec.hf_name] = _merge(spec, shards, shape, _adapter_shape(spec.hf_name, shape))
     dtype = dtype or next(iter(tensors.values())).dtype
     with staging_dir(out_dir) as staging:
         if lora == "adapter":
@@ -126,16 +133,23 @@ def _export_lora(checkpoint: HybridCheckpoint, shape: LlamaShape, out_dir: Path,
                           (config.name_or_path or None))
             files = [WEIGHTS_FILE]
         else:
-            base = HFSource.open(str(base_dir))
-            merged = merged_weights({n: base[n] for n in base}, tensors, shape)
-            writer = ShardedSafetensorsWriter(staging, [(n, dtype, t.shape) for n, t in merged.items()],
-                                              parse_size(DEFAULT_MAX_SHARD_SIZE))
-            for name, tensor in merged.items():
-                writer.write(name, tensor.to(dtype))
+            base, adapted = HFSource.open(str(base_dir)), adapted_weights(shape)
+            writer = ShardedSafetensorsWriter(staging, [(n, dtype, info.shape) for n, info in base.tensors.items()],
+                                              max_bytes)
+            for name in base:
+                writer.write(name, merged_weight(base[name], adapted.get(name), tensors, shape).to(dtype))
             files = [f.name for f in writer.close()]
             _write_configs(config, dtype, side_dir, staging)
     return Hybrid2HfResult(out_dir, ParallelLayout(checkpoint.tp, checkpoint.pp, 1), dtype, files,
                            time.perf_counter() - start)
+
+
+def _adapter_shape(hf_name: str, shape: LlamaShape) -> torch.Size:
+    """The full (unsharded) shape of adapter factor `hf_name` (`model.layers.<i>.<proj>.lora_A.weight`, ...)."""
+    prefix, _, rest = hf_name.partition(".lora_")
+    base = prefix.split(".", 3)[3] + ".weight"  # self_attn.q_proj.weight, ...
+    a, b = lora_factor_shapes(base, shape, 1, shape.lora_rank)
+    return torch.Size(a if rest.startswith("A") else b)
 
 
 def resolve_hf_config(checkpoint: HybridCheckpoint, hf_config_dir=None):

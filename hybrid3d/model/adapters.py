@@ -2,14 +2,23 @@
 how each factor splits come from the TP plan (`tp_plan.lora_weights`, `lora_kinds`); the arithmetic is
 `parallel/tensor_parallel/lora.py`'s."""
 
+import dataclasses
+
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import COLUMN, ROW, lora_factor_shapes, lora_kinds, lora_weights
+from hybrid3d.model.tp_plan import COLUMN, LORA_TARGETS, ROW, lora_factor_shapes, lora_kinds, lora_weights
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.lora import attach_adapter
 
 _SPLIT_DIM = {COLUMN: 0, ROW: 1}  # replicated: None
+
+
+def with_adapters(shape: LlamaShape, rank: int, targets, **scaling) -> LlamaShape:
+    """`shape` with LoRA adapters of rank r beside `targets` (PEFT module names, kept in the TP plan's order);
+    `scaling`: `lora_alpha`, `lora_dropout` where the caller knows them (the memory model needs neither)."""
+    return dataclasses.replace(shape, lora_rank=rank, lora_targets=tuple(m for m in LORA_TARGETS if m in targets),
+                               **scaling)
 
 
 def attach_block_adapters(owner: nn.Module, prefix: str, shape: LlamaShape, tp: TensorParallelGroup,

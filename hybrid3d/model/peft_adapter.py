@@ -64,13 +64,17 @@ def write_adapter(folder, shape: LlamaShape, tensors: dict, base_model: str | No
               metadata={"format": "pt"})
 
 
-def merged_weights(base: dict, adapters: dict, shape: LlamaShape) -> dict:
-    """HF base weights with each adapter merged in: W + (alpha/r) · B A, in fp32, cast back to W's dtype."""
-    merged = dict(base)
-    for i in range(shape.num_layers):
-        for a_name, b_name, weight in lora_weights(shape, shape.lora_targets):
-            name = f"model.layers.{i}.{weight}"
-            a, b = adapters[f"model.layers.{i}.{a_name}"].float(), adapters[f"model.layers.{i}.{b_name}"].float()
-            merged[name] = (base[name].float() + (b @ a) * shape.lora_scale).to(base[name].dtype)
-    return merged
+def adapted_weights(shape: LlamaShape) -> dict:
+    """{HF name of an adapted base weight: (its A's HF name, its B's)} over every layer."""
+    return {f"model.layers.{i}.{weight}": (f"model.layers.{i}.{a_name}", f"model.layers.{i}.{b_name}")
+            for i in range(shape.num_layers) for a_name, b_name, weight in lora_weights(shape, shape.lora_targets)}
+
+
+def merged_weight(weight, factors, adapters: dict, shape: LlamaShape):
+    """A base weight with its adapter merged in, W + (alpha/r) · B A in fp32, cast back to W's dtype; `factors`:
+    its (A, B) names in `adapters` (`adapted_weights`), or None for a weight without one (returned as it is)."""
+    if factors is None:
+        return weight
+    a, b = (adapters[name].float() for name in factors)
+    return (weight.float() + (b @ a) * shape.lora_scale).to(weight.dtype)
 

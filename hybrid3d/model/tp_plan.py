@@ -27,6 +27,7 @@ over TP) and B is replicated (its gradient summed over TP with sequence parallel
 differ); beside a replicated k/v base (t > kv heads) both are replicated and used at the rank's head rows.
 """
 
+from hybrid3d.config.sections import LORA_MODULES
 from hybrid3d.config.support import check_experts
 from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
@@ -66,16 +67,8 @@ MOE_PLAN = {
 }
 
 
-# The modules PEFT's `target_modules` may name, and the base weight each adapts (a name in BLOCK_PLAN)
-LORA_TARGETS = {
-    "q_proj": "self_attn.q_proj.weight",
-    "k_proj": "self_attn.k_proj.weight",
-    "v_proj": "self_attn.v_proj.weight",
-    "o_proj": "self_attn.o_proj.weight",
-    "gate_proj": "mlp.gate_proj.weight",
-    "up_proj": "mlp.up_proj.weight",
-    "down_proj": "mlp.down_proj.weight",
-}
+# The modules PEFT's `target_modules` may name (config/sections.py LORA_MODULES), each with the block weight it adapts
+LORA_TARGETS = {module: next(name for name in BLOCK_PLAN if name.endswith(f".{module}.weight")) for module in LORA_MODULES}
 # base kind -> (A's kind, B's kind); A is (r, in) and B (out, r), so ROW splits A's dim 1 and COLUMN B's dim 0
 LORA_SPLITS = {COLUMN: (REPLICATED, COLUMN), ROW: (ROW, REPLICATED), REPLICATED: (REPLICATED, REPLICATED)}
 

@@ -77,13 +77,16 @@ _FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
-def _visible_blocks(q_starts: list, k_starts: list) -> list:
-    """For each query segment i: (the key segments it sees whole, the one it sees causally or None). Segments are
-    runs of L consecutive positions starting at multiples of L, so a key segment is wholly before the query segment,
-    the same one (causal), or wholly after it (skipped)."""
-    return [([j for j, kb in enumerate(k_starts) if kb < qa], next((j for j, kb in enumerate(k_starts) if kb == qa),
-                                                                   None))
-            for qa in q_starts]
+def _blocks(q_starts: list, k_starts: list, length: int):
+    """The attention blocks of one query set against one key set: (query rows, key segments, causal). Segments are
+    runs of `length` consecutive positions starting at multiples of it, so a key segment is wholly before a query
+    segment (one block of all such segments), the same one (a causal block), or wholly after it (no block)."""
+    for i, start in enumerate(q_starts):
+        rows = slice(i * length, (i + 1) * length)
+        before = [j for j, k in enumerate(k_starts) if k < start]
+        if before:
+            yield rows, before, False
+        yield from ((rows, [j], True) for j, k in enumerate(k_starts) if k == start)
 
 
 def _segments(x, indices: list, length: int):
@@ -124,13 +127,9 @@ class RingAttention(torch.autograd.Function):
                 received, requests = ring.start(block)
             source = (cp.rank - step) % cp.size
             bk, bv = (t.repeat_interleave(repeat, dim=1) for t in block)
-            for i, (whole, diagonal) in enumerate(_visible_blocks(q_starts, table[source][::length].tolist())):
-                rows = slice(i * length, (i + 1) * length)
-                for keys, causal in ((whole, False), ([diagonal] if diagonal is not None else [], True)):
-                    if keys:
-                        o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0,
-                                      causal)
-                        out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
+            for rows, keys, causal in _blocks(q_starts, table[source][::length].tolist(), length):
+                o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0, causal)
+                out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
             if requests is not None:
                 _wait(requests)
                 block = received
@@ -157,19 +156,15 @@ class RingAttention(torch.autograd.Function):
             rk, rv = (t.repeat_interleave(repeat, dim=1) for t in (bk, bv))
             dk_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)  # per q head, summed below
             dv_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
-            for i, (whole, diagonal) in enumerate(_visible_blocks(q_starts, table[source][::length].tolist())):
-                rows = slice(i * length, (i + 1) * length)
-                for keys, causal in ((whole, False), ([diagonal] if diagonal is not None else [], True)):
-                    if not keys:
-                        continue
-                    gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
-                                                 _segments(rv, keys, length), out[:, :, rows],
-                                                 lse[:, :, rows].contiguous(), 0.0, causal)
-                    dq[:, :, rows] += gq.float()
-                    for piece, j in enumerate(keys):  # each key segment's share of the gradient
-                        part = slice(piece * length, (piece + 1) * length)
-                        dk_heads[:, :, j * length:(j + 1) * length] += gk[:, :, part].float()
-                        dv_heads[:, :, j * length:(j + 1) * length] += gv[:, :, part].float()
+            for rows, keys, causal in _blocks(q_starts, table[source][::length].tolist(), length):
+                gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
+                                             _segments(rv, keys, length), out[:, :, rows],
+                                             lse[:, :, rows].contiguous(), 0.0, causal)
+                dq[:, :, rows] += gq.float()
+                for piece, j in enumerate(keys):  # each key segment's share of the gradient
+                    part = slice(piece * length, (piece + 1) * length)
+                    dk_heads[:, :, j * length:(j + 1) * length] += gk[:, :, part].float()
+                    dv_heads[:, :, j * length:(j + 1) * length] += gv[:, :, part].float()
             dk = dk + dk_heads.view(b, g, repeat, n, d).sum(2)  # the repeated heads' gradients to their kv head
             dv = dv + dv_heads.view(b, g, repeat, n, d).sum(2)
             # every block moves on (the K/V to the next rank's queries, or their gradients home after the last)

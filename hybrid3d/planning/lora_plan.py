@@ -2,9 +2,9 @@
 is trained and what is frozen."""
 
 import argparse
-import dataclasses
 
 from hybrid3d.config.support import check_lora
+from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import LORA_TARGETS
 from hybrid3d.planning.parameters import adapter_parameters, model_parameters
@@ -17,7 +17,7 @@ def with_lora(shape: LlamaShape, rank: int, targets=tuple(LORA_TARGETS)) -> Llam
     if not rank:
         return shape
     check_lora(shape.is_moe, False)
-    return dataclasses.replace(shape, lora_rank=rank, lora_targets=tuple(m for m in LORA_TARGETS if m in targets))
+    return with_adapters(shape, rank, targets)
 
 
 def lora_line(shape: LlamaShape) -> str:

@@ -17,8 +17,9 @@ import dataclasses
 from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.config.run_config import RunConfig, parse_config
-from hybrid3d.config.sections import LORA_MODULES, HybridSection
+from hybrid3d.config.sections import HybridSection
 from hybrid3d.errors import ConfigError
+from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
@@ -73,8 +74,7 @@ def with_lora(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:
     if lora.rank is None:
         return shape
     check_lora(shape.is_moe, hybrid.pipeline_zero2)
-    shape = dataclasses.replace(shape, lora_rank=lora.rank, lora_alpha=lora.alpha, lora_dropout=lora.dropout,
-                                lora_targets=tuple(m for m in LORA_MODULES if m in lora.target_modules))
+    shape = with_adapters(shape, lora.rank, lora.target_modules, lora_alpha=lora.alpha, lora_dropout=lora.dropout)
     if lora.adapter is not None:
         saved = read_adapter_config(lora.adapter)
         for ours, key in ((lora.rank, "r"), (lora.alpha, "lora_alpha"),

@@ -69,6 +69,11 @@ def padded_rows_init(init: InitMethod, rows: int) -> InitMethod:
     return padded
 
 
+def has_adapter(linear: nn.Module) -> bool:
+    """Whether `linear` carries a LoRA adapter (lora.py attaches `lora_A` and `lora_B`)."""
+    return getattr(linear, "lora_A", None) is not None
+
+
 def adapter_dropout(x, p: float, training: bool, differs_per_rank: bool):
     """A LoRA adapter's dropout on its input: on the TP stream where that input differs between TP ranks (a row
     base's features, a sequence shard), on the default stream where it is replicated (the same mask everywhere)."""
@@ -174,7 +179,7 @@ class RowParallelLinear(nn.Module):
             x = scatter_to_tp_region(x, self.tp)
         y = leave_tp_region(F.linear(x, self.weight), self.tp)
         y = y if self.bias is None else y + replicated_weight(self.bias, self.tp)
-        if getattr(self, "lora_A", None) is not None:  # a LoRA adapter (lora.py attaches it)
+        if has_adapter(self):
             y = y + self.adapter_delta(x)
         return y
 

@@ -26,7 +26,7 @@ from torch import nn
 
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
-from hybrid3d.parallel.tensor_parallel.layers import adapter_dropout, init_shard_, mark_tensor_parallel
+from hybrid3d.parallel.tensor_parallel.layers import adapter_dropout, has_adapter, init_shard_, mark_tensor_parallel
 from hybrid3d.parallel.tensor_parallel.mappings import copy_to_tp_region
 
 LORA_PARAMETER = ".lora_"  # in the name of every adapter parameter, and of nothing else
@@ -66,10 +66,6 @@ def attach_adapter(linear: nn.Module, out_features: int, in_features: int, a_spl
     linear.lora_A = LoRAFactor((rank, in_features), a_split, tp, kaiming_uniform_a, **kw)
     linear.lora_B = LoRAFactor((out_features, rank), b_split, tp, zeros, **kw)
     linear.lora_scale, linear.lora_dropout = scale, dropout
-
-
-def has_adapter(linear: nn.Module) -> bool:
-    return getattr(linear, "lora_A", None) is not None
 
 
 def column_linears_with_adapters(x, weights: list, projections: list, tp: TensorParallelGroup,
