@@ -38,18 +38,18 @@ BF16 = dict(name="bf16-TP2-Z1", case="gqa", tp=2, pp=1, zero=1, world=2,
 RESUMED = dict(name="resume", of="TP2-SP-Z1", world=2, split=3)
 
 
-def peft_model(model_dir, adapter_dir):
+def peft_model(model_dir, adapter_dir, dtype=torch.float32):
     from peft import PeftModel
 
-    return PeftModel.from_pretrained(load_hf(model_dir), adapter_dir, is_trainable=True)
+    return PeftModel.from_pretrained(load_hf(model_dir, dtype), adapter_dir, is_trainable=True).to(dtype)
 
 
-def peft_reference_run(model_dir, adapter_dir) -> dict:
+def peft_reference_run(model_dir, adapter_dir, dtype=torch.float32) -> dict:
     """HF + PEFT + torch AdamW, DeepSpeed's WarmupLR class and clip_grad_norm_ over the adapters, on the batches
     the hybrid3d runs see."""
     from deepspeed.runtime.lr_schedules import WarmupLR
 
-    model = peft_model(model_dir, adapter_dir).train()
+    model = peft_model(model_dir, adapter_dir, dtype).train()
     trainable = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(trainable, lr=OPTIM["lr"], betas=tuple(OPTIM["betas"]), eps=OPTIM["eps"],
                                   weight_decay=OPTIM["weight_decay"])
@@ -150,6 +150,9 @@ def results(tmp_path_factory):
     of = next(r for r in runs if r["name"] == RESUMED["of"])
     runs.append(dict(of, name=RESUMED["name"]))
     refs = {case: peft_reference_run(dirs[case], adapters[case]) for case in dirs}
+    for case in dirs:  # the fp32 reference's own error against its fp64 run, per adapter: this CPU's rounding
+        ref64 = peft_reference_run(dirs[case], adapters[case], torch.float64)["weights"]
+        refs[case]["noise"] = {n: max_rel_error(refs[case]["weights"][n], w) for n, w in ref64.items() if ".lora_" in n}
     reports = run_worlds_by_size(lora_world, runs, root, dirs, adapters, str(root / "saved"))
     return {"dirs": dirs, "adapters": adapters, "refs": refs, "runs": reports, "saved": root / "saved", "root": root}
 
@@ -162,9 +165,18 @@ def test_lora_matches_hf_peft_adamw_and_keeps_the_base(results, run):
     assert set(merged) == set(ref["weights"])
     adapters = {n for n in merged if ".lora_" in n}
     assert len(adapters) == 2 * len(TARGETS) * 2  # A and B of every target in both layers
-    weight_error = max(max_rel_error(merged[n], ref["weights"][n]) for n in adapters)
-    print(f"{run['name']}: loss error {loss_error:.2e}, adapter weight error {weight_error:.2e}")
-    assert loss_error <= TOL and weight_error <= TOL, (loss_error, weight_error)
+    errors = {n: max_rel_error(merged[n], ref["weights"][n]) for n in adapters}
+    worst = max(errors, key=errors.get)
+    print(f"{run['name']}: loss error {loss_error:.2e}, adapter weight error {errors[worst]:.2e} ({worst}; the fp32 "
+          f"reference's own error there {ref['noise'][worst]:.2e})")
+    assert loss_error <= TOL, loss_error
+    # each adapter within TOL, or within twice the fp32 reference's own distance from its fp64 run where that is
+    # larger: Adam normalises each element's step, so elements whose gradient is near zero carry rounding into the
+    # weights (measured on the MQA model: PEFT's own fp32 run is 1.3e-5 off its fp64 run with AVX-512 kernels and
+    # 1.4e-5 with AVX2; hybrid3d's run 5.3e-6 and 1.15e-5 off PEFT's fp32 run); a dropped or partial gradient is
+    # ~1e-2 off (the adapters move by more than 1e3 x TOL, asserted below)
+    over = {n: e for n, e in errors.items() if e > max(TOL, 2 * ref["noise"][n])}
+    assert not over, over
     base = read_safetensors_folder(Path(results["dirs"][run["case"]]))
     for name, tensor in merged.items():  # the frozen base, bit for bit
         if ".lora_" not in name:
