@@ -30,7 +30,7 @@ from torch import nn
 
 from hybrid3d.model.adapters import attach_block_adapters
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.masks import attention_bias
+from hybrid3d.model.masks import attention_bias, document_segments, window_masks
 from hybrid3d.model.norm import HeadRMSNorm
 from hybrid3d.model.tp_plan import COLUMN, block_kind, context_kv_heads, kv_heads_per_rank
 from hybrid3d.model.rope import RotaryFrequencies, apply_rope
@@ -42,7 +42,7 @@ from hybrid3d.parallel.tensor_parallel import (
     copy_to_tp_region,
     tensor_parallel_rng,
 )
-from hybrid3d.parallel.ring_attention import position_table, ring_attention
+from hybrid3d.parallel.ring_attention import BlockMask, position_table, ring_attention
 from hybrid3d.parallel.tensor_parallel.layers import init_shard_, normal_init
 from hybrid3d.parallel.tensor_parallel.lora import column_linears_with_adapters
 
@@ -114,23 +114,32 @@ class CoreAttention(nn.Module):
 class RingCoreAttention(nn.Module):
     """RoPE at the global positions, then ring attention around the CP group's ring (parallel/ring_attention.py):
     (b, m, heads, d) q and (b, m, kv, d) k, v -> (b, m, heads, d), m the positions of this rank's ring member
-    (its own s/c, or with a2a+p2p its Ulysses group's a2a·s/c after the all-to-all)."""
+    (its own s/c, or with a2a+p2p its Ulysses group's a2a·s/c after the all-to-all). With `positions` (b, s) of the
+    whole sequence (packed documents) RoPE uses each token's position in its document and the ring's blocks are
+    masked to documents; a sliding window shorter than the sequence masks them too."""
 
     def __init__(self, shape: LlamaShape, cp: ContextParallelGroup):
         super().__init__()
         self.rotary = RotaryFrequencies(shape.head_dim, shape.rope_theta, shape.rope_scaling)
+        self.sliding_window = shape.sliding_window
         self.cp = cp
 
-    def forward(self, q, k, v, positions=None):  # positions: documents are refused with a ring (config/support.py)
+    def forward(self, q, k, v, positions=None):
         q, k, v = (x.transpose(1, 2) for x in (q, k, v))  # (b, heads, m, d)
         ring = self.cp.ring_members()
         s = q.shape[2] * ring.size
         table = position_table(self.cp, s, q.device)  # (ring size, m): every member's global positions
         cos, sin = self.rotary.cos_sin(s, q.device, q.dtype)  # positions 0..s-1 of the whole sequence
         mine = table[ring.rank]
-        q, k = apply_rope(q, cos[mine], sin[mine]), apply_rope(k, cos[mine], sin[mine])
+        if positions is None:
+            cos, sin = cos[mine], sin[mine]  # (m, d)
+        else:  # each token at its position in its document: (b, 1, m, d)
+            cos, sin = cos[positions[:, mine]].unsqueeze(1), sin[positions[:, mine]].unsqueeze(1)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        mask = BlockMask(None if positions is None else document_segments(positions),
+                         self.sliding_window if window_masks(s, self.sliding_window) else None)
         segment = s // (2 * self.cp.size)  # the runs of consecutive positions a rank holds (ring_attention.py)
-        return ring_attention(q, k, v, table, segment, ring).transpose(1, 2)
+        return ring_attention(q, k, v, table, segment, ring, mask).transpose(1, 2)
 
 
 class Attention(nn.Module):
@@ -193,7 +202,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:  # per head, so before the context-parallel exchange as well as after
             q, k = self.q_norm(q), self.k_norm(k)
         if self.cp.ring and self.context_parallel is None:  # ring attention: this rank's chunks, K/V around the ring
-            out = self.ring_core(q, k, v)
+            out = self.ring_core(q, k, v, positions)
         elif self.context_parallel is None:
             out = self.core(q, k, v, positions)
         else:

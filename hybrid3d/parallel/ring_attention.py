@@ -16,6 +16,11 @@ Each rank's tokens come in segments of consecutive positions (its chunks, or wit
 segment is wholly before a query segment (attended whole), the same one (causal) or after it (skipped): each block
 is one call of torch's fused flash-attention kernel for CPUs, which returns the log-sum-exp (the GPU flash and
 efficient SDPA kernels do too, but are not wired here yet).
+
+Packed documents and sliding windows (`BlockMask`): a key segment none of whose keys a query segment may see (another
+document, or outside the window) is left out of the block, and a block with none left is skipped; the rest run with
+an explicit mask built from the global positions. A query row with no key in a block gets the log-sum-exp -inf there
+(the kernel reports 0), so it adds nothing to the merge.
 """
 
 import torch
@@ -89,6 +94,46 @@ def _blocks(q_starts: list, k_starts: list, length: int):
         yield from ((rows, [j], True) for j, k in enumerate(k_starts) if k == start)
 
 
+class BlockMask:
+    """Which keys a query may see beyond causality, by global position: the same packed document (`segments` (b, s),
+    `masks.document_segments` of the whole sequence) and, with a `window`, the last `window` positions (Mistral's
+    sliding window, `masks.sliding_window_mask`). None of either: plain causal blocks, no mask."""
+
+    def __init__(self, segments=None, window=None):
+        self.segments, self.window = segments, window
+
+    def __bool__(self):
+        return self.segments is not None or self.window is not None
+
+    def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
+        """(nq,) and (nk,) global positions -> (b or 1, 1, nq, nk) bool, True where the query may see the key."""
+        q, k = q_pos.unsqueeze(-1), k_pos.unsqueeze(0)  # (nq, 1), (1, nk)
+        allowed = k <= q
+        if self.window is not None:
+            allowed = allowed & (k > q - self.window)
+        allowed = allowed.unsqueeze(0)  # (1, nq, nk)
+        if self.segments is not None:
+            allowed = allowed & (self.segments[:, q_pos].unsqueeze(-1) == self.segments[:, k_pos].unsqueeze(-2))
+        return allowed.unsqueeze(1)
+
+    def blocks(self, q_table_row: torch.Tensor, k_table_row: torch.Tensor, length: int, dtype):
+        """`_blocks` of a query set against a key set, each as (query rows, key segments, additive mask or None,
+        rows with no key or None), with the key segments no query of the block may see left out, and blocks left
+        with none skipped."""
+        for rows, keys, causal in _blocks(q_table_row[::length].tolist(), k_table_row[::length].tolist(), length):
+            if not self:
+                yield rows, keys, causal, None, None
+                continue
+            q_pos = q_table_row[rows]
+            masks = {j: self.allowed(q_pos, k_table_row[j * length:(j + 1) * length]) for j in keys}
+            keys = [j for j in keys if masks[j].any()]
+            if keys:
+                allowed = torch.cat([masks[j] for j in keys], dim=-1)  # (b or 1, 1, nq, nk)
+                bias = torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(
+                    ~allowed, float("-inf"))
+                yield rows, keys, False, bias, ~allowed.any(-1)  # (b or 1, 1, nq): rows that see nothing here
+
+
 def _segments(x, indices: list, length: int):
     """The segments `indices` of x (..., n, d) concatenated along n: (..., len(indices)·length, d)."""
     return torch.cat([x[..., j * length:(j + 1) * length, :] for j in indices], dim=-2)
@@ -96,9 +141,9 @@ def _segments(x, indices: list, length: int):
 
 def _merge(out, lse, block_out, block_lse):
     """Online softmax: two partial attentions over disjoint keys, by their log-sum-exps. out fp32 (..., n, d)."""
-    merged = torch.logaddexp(lse, block_lse)
+    merged = torch.logaddexp(lse, block_lse)  # -inf where neither saw a key yet: both weights 0, not nan
     out = out * torch.exp(lse - merged).nan_to_num(0.0).unsqueeze(-1) + block_out.float() * torch.exp(
-        block_lse - merged).unsqueeze(-1)
+        block_lse - merged).nan_to_num(0.0).unsqueeze(-1)
     return out, merged
 
 
@@ -106,18 +151,17 @@ class RingAttention(torch.autograd.Function):
     """Causal attention of this rank's queries over the whole sequence held across the ring `cp`.
     q (b, h, n, d), k/v (b, g, n, d) with g kv heads dividing h, after RoPE at their global positions;
     `table` (c, n): the global positions of every ring member's n tokens, row cp.rank this rank's, in segments of
-    `length` consecutive positions. -> (b, h, n, d).
+    `length` consecutive positions; `mask`: documents and window (`BlockMask`). -> (b, h, n, d).
 
     Each (query segment, key segments) pair runs torch's fused CPU flash-attention kernel, which returns the
     log-sum-exp the merge needs (`_scaled_dot_product_flash_attention_for_cpu` and its backward, given the merged
     output and log-sum-exp: FlashAttention-2's per-block backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, length: int, cp: ContextParallelGroup):
+    def forward(ctx, q, k, v, table, length: int, cp: ContextParallelGroup, mask: BlockMask):
         b, h, n, d = q.shape
         repeat = h // k.shape[1]  # the fused kernel takes as many kv heads as q heads: repeated here, not sent
         ring = _Ring(cp)
-        q_starts = table[cp.rank][::length].tolist()
         out = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), device=q.device)
         block = [k, v]
@@ -127,27 +171,29 @@ class RingAttention(torch.autograd.Function):
                 received, requests = ring.start(block)
             source = (cp.rank - step) % cp.size
             bk, bv = (t.repeat_interleave(repeat, dim=1) for t in block)
-            for rows, keys, causal in _blocks(q_starts, table[source][::length].tolist(), length):
-                o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0, causal)
+            for rows, keys, causal, bias, blind in mask.blocks(table[cp.rank], table[source], length, q.dtype):
+                o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0, causal,
+                              attn_mask=bias)
+                if blind is not None:  # the kernel's log-sum-exp of a row that sees no key is 0, not -inf
+                    l = l.masked_fill(blind, float("-inf"))  # (b or 1, 1, rows) over (b, h, rows)
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
             if requests is not None:
                 _wait(requests)
                 block = received
         result = out.to(q.dtype)
-        ctx.cp, ctx.length = cp, length
+        ctx.cp, ctx.length, ctx.mask = cp, length, mask
         ctx.save_for_backward(q, k, v, table, result, lse)
         return result
 
     @staticmethod
     def backward(ctx, grad_out):
         q, k, v, table, out, lse = ctx.saved_tensors
-        cp, length = ctx.cp, ctx.length
+        cp, length, mask = ctx.cp, ctx.length, ctx.mask
         b, h, n, d = q.shape
         g = k.shape[1]
         repeat = h // g
         ring = _Ring(cp)
         grad_out = grad_out.contiguous()
-        q_starts = table[cp.rank][::length].tolist()
         dq = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
         block = [k, v, torch.zeros_like(k, dtype=torch.float32), torch.zeros_like(v, dtype=torch.float32)]
         for step in range(cp.size):
@@ -156,10 +202,10 @@ class RingAttention(torch.autograd.Function):
             rk, rv = (t.repeat_interleave(repeat, dim=1) for t in (bk, bv))
             dk_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)  # per q head, summed below
             dv_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
-            for rows, keys, causal in _blocks(q_starts, table[source][::length].tolist(), length):
+            for rows, keys, causal, bias, _ in mask.blocks(table[cp.rank], table[source], length, q.dtype):
                 gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
                                              _segments(rv, keys, length), out[:, :, rows],
-                                             lse[:, :, rows].contiguous(), 0.0, causal)
+                                             lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=bias)
                 dq[:, :, rows] += gq.float()
                 for piece, j in enumerate(keys):  # each key segment's share of the gradient
                     part = slice(piece * length, (piece + 1) * length)
@@ -173,14 +219,16 @@ class RingAttention(torch.autograd.Function):
             _wait(requests)
             block = received
         dk, dv = block  # our own K/V's gradients, back from the previous rank
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def ring_attention(q, k, v, table: torch.Tensor, length: int, ring: ContextParallelGroup):
+def ring_attention(q, k, v, table: torch.Tensor, length: int, ring: ContextParallelGroup,
+                   mask: BlockMask | None = None):
     """Causal attention over the sequence held around `ring`: q (b, h, n, d), k/v (b, g, n, d) at the positions
     `table[ring.rank]` (RoPE applied), `table` (c, n) every member's (`member_positions`), in segments of `length`
-    consecutive positions. -> (b, h, n, d)."""
-    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), table, length, ring)
+    consecutive positions; `mask` packed documents and a sliding window, if any. -> (b, h, n, d)."""
+    return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), table, length, ring,
+                               mask if mask is not None else BlockMask())
 
 
 def position_table(cp: ContextParallelGroup, s: int, device=None) -> torch.Tensor:

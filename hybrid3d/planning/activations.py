@@ -26,6 +26,17 @@ the core runs on the whole sequence with a/(t·c) heads, so its terms are divide
 ranks, so a rank's k_t heads are repeated up to k_c = c when c is a multiple of k_t (k_c = k_t when c
 divides k_t), and attention keeps s·(k_c/c)·d_h = s_c·k_c·d_h per tensor.
 
+Ring attention (`context_parallel_comm` "p2p", `parallel/ring_attention.py`; "a2a+p2p": Ulysses over u
+consecutive CP ranks around a ring over the c/u others) keeps the same tensors (measured: benchmarks/results/
+2026-12-04-vm/ring_vs_ulysses.md): its autograd function saves q, k, v of the rank's positions, its output and
+the fp32 log-sum-exp of a/(t·u) heads over u·s/c positions, 4·a·s·b/(t·c) as above. RoPE: it gathers the tables
+at its u·s/c positions, while the (s, d_h) tables stay cached in the layer (`RotaryFrequencies`), the 4·s·d_h
+counted. Only the kv heads differ: the ring sends them as they are, so p2p keeps k_c = k_t and a2a+p2p repeats
+them only as Ulysses over u needs; in every case k_c = `cp_kv_heads`, the kv heads of Ulysses over u =
+`ulysses_size` ranks (u = c for a2a, 1 for p2p). Its blocks always run the fused kernel, build their masks per
+block (no shared mask is kept, K and V are never repeated to the query heads) and are not saved; a mask's (b, s)
+document ids, kept per layer, are left out (8·b·s bytes).
+
 Masked attention (`masks.attention_bias`: a sliding window shorter than s, or packed documents masked from each
 other): SDPA takes an additive mask in the compute dtype, which every layer of a rank shares, so it is counted
 once, not per layer: 2·s² for a window (one per shape, whatever the micro-batch), 2·b·s² for documents (one per
@@ -57,6 +68,7 @@ v·m >= v·p + p - 1; Korthikanti et al. 2022 state the same factor).
 from functools import lru_cache
 from typing import Optional
 
+from hybrid3d.config.sections import CONTEXT_PARALLEL_COMMS
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import check_schedule_stages, stage_bounds
 from hybrid3d.model.tp_plan import context_kv_heads, kv_heads_per_rank
@@ -77,14 +89,34 @@ def sequence_chunk(s: int, t: int, sequence_parallel: bool = False, cp: int = 1)
     return s // cp
 
 
-def cp_kv_heads(shape: LlamaShape, t: int, cp: int = 1) -> int:
-    """k_c: kv heads a TP rank hands to the Ulysses exchange (`tp_plan.context_kv_heads`): its k_t own heads
-    when c divides them, else c (each repeated c/k_t times, so every CP rank gets one); ValueError unless
-    k_t and c divide one another."""
+def ulysses_size(cp: int, comm: str = "a2a", cp_a2a: int = 1) -> int:
+    """u: the CP ranks one Ulysses all-to-all spans (`context_parallel_comm` `comm`): all c with "a2a", none (1) with
+    "p2p" (a ring over all c), `cp_a2a` (context_parallel_a2a_size, 1 < u < c dividing c) with "a2a+p2p"; a ring spans
+    the other c/u."""
+    if comm not in CONTEXT_PARALLEL_COMMS:
+        raise ValueError(f"context_parallel_comm must be one of {', '.join(CONTEXT_PARALLEL_COMMS)}, got {comm!r}")
+    if comm == "a2a+p2p" and (not 1 < cp_a2a < cp or cp % cp_a2a):
+        raise ValueError(f"context_parallel_a2a_size {cp_a2a} must divide context_parallel_size {cp} and lie "
+                         "strictly between 1 and it")
+    return {"a2a": cp, "p2p": 1, "a2a+p2p": cp_a2a}[comm]
+
+
+def uses_ring(cp: int, comm: str = "a2a") -> bool:
+    """Whether attention runs around a ring (p2p or a2a+p2p over c > 1 ranks), as `ParallelLayout.ring`."""
+    return cp > 1 and comm != "a2a"
+
+
+def cp_kv_heads(shape: LlamaShape, t: int, cp: int = 1, comm: str = "a2a", cp_a2a: int = 1) -> int:
+    """k_c: kv heads a TP rank hands to the Ulysses exchange over u = `ulysses_size` ranks and keeps, per position,
+    for attention (`tp_plan.context_kv_heads`): its k_t own heads when u divides them, else u (each repeated u/k_t
+    times, so every Ulysses rank gets one); k_t with a ring alone (u = 1: sent as they are). ValueError unless k_t
+    and u divide one another."""
+    u = ulysses_size(cp, comm, cp_a2a)
     kv_t = kv_heads_per_rank(shape.num_kv_heads, t)
-    if kv_t % cp and cp % kv_t:
-        raise ValueError(f"the {kv_t} kv heads of a TP rank and context_parallel_size {cp} must divide one another")
-    return context_kv_heads(kv_t, cp)
+    if kv_t % u and u % kv_t:
+        size = "context_parallel_size" if comm == "a2a" else "context_parallel_a2a_size"
+        raise ValueError(f"the {kv_t} kv heads of a TP rank and {size} {u} must divide one another")
+    return context_kv_heads(kv_t, u)
 
 
 def attention_mask_kind(shape: LlamaShape, s: int, document_mask: bool) -> Optional[str]:
@@ -95,22 +127,27 @@ def attention_mask_kind(shape: LlamaShape, s: int, document_mask: bool) -> Optio
 
 
 def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True,
-                               sequence_parallel: bool = False, cp: int = 1, mask: Optional[str] = None) -> float:
+                               sequence_parallel: bool = False, cp: int = 1, mask: Optional[str] = None,
+                               comm: str = "a2a", cp_a2a: int = 1) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
     norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
     2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
     unfused + RoPE tables 4·s·d_h. K and V count the heads a rank computes with (`kv_heads_per_rank`):
     with t > kv heads the weights are replicated, but each rank keeps only the one head it uses. With a `mask`
     (`attention_mask_kind`) they are repeated to the query heads (2 x Q's bytes), and with documents RoPE's
-    tables are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`."""
+    tables are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`.
+    `comm`, `cp_a2a`: context_parallel_comm and context_parallel_a2a_size; a ring (`uses_ring`) keeps k_c =
+    `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring)."""
     h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
+    ring = uses_ring(cp, comm)
     norms = (16 * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
     q = 2 * s_c * b * a * d / t
-    kv = 2 * q if mask else 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp) * d
+    kv = 2 * q if mask and not ring else 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp, comm, cp_a2a) * d
     out = q * (2 if cp > 1 else 1)
     swiglu = 4 * 2 * s_c * b * f / t
-    core = 4 * a * s * b / (t * cp) if flash_attention else 2 * a * s * s * b / (t * cp)
+    fused = flash_attention or ring  # the ring's blocks: torch's fused kernel, which returns the log-sum-exp
+    core = 4 * a * s * b / (t * cp) if fused else 2 * a * s * s * b / (t * cp)
     rope = 2 * 2 * s * d * (b if mask == "documents" else 1)
     return norms + q + kv + out + swiglu + core + rope
 
@@ -154,6 +191,7 @@ def _orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[PassOp, ...], 
     return tuple(tuple(order) for order in schedule_orders(schedule, p, m, v))
 
 
+@lru_cache(maxsize=4096)  # the planner's searches ask for the same stages thousands of times
 def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
     """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p)."""
     bounds = stage_bounds(shape.num_layers, pp)
@@ -163,19 +201,22 @@ def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
 def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
                      checkpointing: bool = False, partition_activations: bool = False,
                      flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1,
-                     schedule: str = "1f1b", virtual: int = 1, document_mask: bool = False) -> float:
+                     schedule: str = "1f1b", virtual: int = 1, document_mask: bool = False, comm: str = "a2a",
+                     cp_a2a: int = 1) -> float:
     """Activation bytes of one rank: A_r of the module docstring. With the 1F1B `schedule` `stage` is the
     rank's stage, and A_r = in-flight micro-batches x (its layers' activations, or with checkpointing their
     inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing one layer being recomputed.
     With "interleaved" (`virtual` = v chunks per rank) or "dualpipev" `stage` is the pipeline rank r, and
     the rank's pass order weighs each of its stages σ by a_σ. `document_mask` (and a window shorter than s in
-    `shape`): the shared attention masks of the module docstring."""
+    `shape`): the shared attention masks of the module docstring, which a ring (`comm` "p2p" or "a2a+p2p",
+    `cp_a2a` = u) does not keep."""
     if sequence_parallel and partition_activations:
         raise ValueError("sequence_parallel and partition_activations exclude each other")
     mask = attention_mask_kind(shape, s, document_mask)
-    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask)
-    window_mask = 2 * s * s if mask == "window" else 0  # one per rank: (s, s) bf16
-    document_masks = 2 * b * s * s if mask == "documents" else 0  # one per micro-batch: (b, 1, s, s) bf16
+    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm, cp_a2a)
+    shared = not uses_ring(cp, comm)  # a ring builds each block's mask when it runs it
+    window_mask = 2 * s * s if mask == "window" and shared else 0  # one per rank: (s, s) bf16
+    document_masks = 2 * b * s * s if mask == "documents" and shared else 0  # one per micro-batch: (b, 1, s, s) bf16
     kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
     if checkpointing:
         kept = 2 * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)

@@ -55,7 +55,8 @@ partitioned by ZeRO (stages 1 and 2 never partition parameters). Model states = 
 (`training/trainer.py`), so its wrappers see Ψ_A alone. Refused as `config.support.check_lora` refuses the run:
 a mixture-of-experts model, pipeline_zero2.
 
-Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP and CP), re-exported here. With
+Activations: `hybrid3d.planning.activations` (Korthikanti et al. 2022, with SP and CP: Ulysses, ring attention or
+both), re-exported here. With
 LoRA they are counted as without: the frozen base still saves what its backward needs for the activation
 gradients, and the adapters' r-dimensional intermediates (A x, b·s·r elements per target) are ignored, below
 r/h of a layer's activations.
@@ -339,14 +340,17 @@ def _peak_states(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precis
 
 def worst_rank_bytes(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, checkpointing: bool,
                      b: int, s: int, gas: int, bucket: int = DEFAULT_REDUCE_BUCKET, sp: bool = False, cp: int = 1,
-                     pipeline_zero2: bool = False, schedule: str = "1f1b", v: int = 1) -> tuple[float, float]:
+                     pipeline_zero2: bool = False, schedule: str = "1f1b", v: int = 1, comm: str = "a2a",
+                     cp_a2a: int = 1) -> tuple[float, float]:
     """(model states, activations) bytes of the pipeline rank whose sum is the largest, ZeRO over nd = d·c
-    ranks, the rank's stages and in-flight passes those of `schedule` (v chunks per rank when interleaved)."""
+    ranks, the rank's stages and in-flight passes those of `schedule` (v chunks per rank when interleaved), CP's
+    attention by `comm` (context_parallel_comm; `cp_a2a` its context_parallel_a2a_size with "a2a+p2p")."""
     states = acts = 0.0
     for rank in range(pp):
         rank_states = _peak_states(shape, tp, pp, nd, zero, precision, rank, gas, bucket, pipeline_zero2, schedule, v)
         rank_acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing,
-                                     sequence_parallel=sp, cp=cp, schedule=schedule, virtual=v)
+                                     sequence_parallel=sp, cp=cp, schedule=schedule, virtual=v, comm=comm,
+                                     cp_a2a=cp_a2a)
         if rank_states + rank_acts > states + acts:
             states, acts = rank_states, rank_acts
     return states, acts

@@ -4,6 +4,12 @@ from hybrid3d.planning.hints import ZERO_FOOTER
 
 SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved', virtual_pipeline_size 2; "
                    "dpv 'dualpipev'; - no pipeline")
+COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ranks; p2p ring attention over them;\n"
+               "a2aU+p2p Ulysses over U of them (context_parallel_a2a_size) around a ring over cp/U; - no CP")
+# config.support.check_ring_attention refuses a ring on GPUs: the rows say what it would fit once it runs there
+RING_NOTE = ("note: the trainer runs ring attention (p2p, a2aU+p2p) on the CPU accelerator only for now "
+             "(config.support.check_ring_attention refuses it on GPUs until its GPU kernels are wired): "
+             "ring rows are plans, not yet runnable on GPUs")
 
 
 def _refused_lines(refused: list[str]) -> list[str]:
@@ -35,25 +41,35 @@ def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] =
     return "\n".join(lines + _refused_lines(refused) + ["", ZERO_FOOTER])
 
 
+LONGEST_HEADER = (f"{'seq':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'comm':>8} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} "
+                  f"{'gas':>4} {'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
+
+
+def _longest_line(c, seq: int, best: float) -> str:
+    """One row of the longest-sequence table: `c` a planner Choice fitting `seq` tokens, `best` the first row's
+    step seconds per token."""
+    return (f"{seq:>8} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.cp_label:>8} {c.dp:>4} {'yes' if c.sp else 'no':>3} "
+            f"{c.zero:>4} {'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.schedule_label:>6} "
+            f"{c.memory_gb:>7.1f} {c.states_gb:>7.1f} {c.activations_gb:>6.1f} {c.step_seconds / seq / best:>9.2f}")
+
+
 def format_longest(rows: list, refused: list[str], top: int, cap: int) -> str:
     lines = []
     if rows:
         best = rows[0][0].step_seconds / rows[0][1]
-        lines.append(f"{'seq':>8} {'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'gas':>4} "
-                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'rel.t/tok':>9}")
-        for c, seq in rows[:top]:
-            lines.append(f"{seq:>8} {c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} {c.gas:>4} {c.schedule_label:>6} "
-                         f"{c.memory_gb:>7.1f} {c.states_gb:>7.1f} {c.activations_gb:>6.1f} "
-                         f"{c.step_seconds / seq / best:>9.2f}")
+        lines.append(LONGEST_HEADER)
+        lines += [_longest_line(c, seq, best) for c, seq in rows[:top]]
         if len(rows) > top:
             lines.append(f"... {len(rows) - top} more layouts (--top)")
         capped = sum(seq == cap for _, seq in rows)
-        lines.append(f"seq: the longest multiple of 128 (of lcm(128, cp·tp) with sp, lcm(128, cp) without) that fits,")
-        lines.append(f"at micro-batch 1, up to {cap} tokens (reached by {capped} of {len(rows)} layouts; "
+        lines.append("seq: the longest multiple of 128 (of lcm(128, cp·tp) with sp, lcm(128, cp) without; of 2·cp "
+                     "too with a ring)")
+        lines.append(f"that fits, at micro-batch 1, up to {cap} tokens (reached by {capped} of {len(rows)} layouts; "
                      "--max-seq-length)")
-        lines.append("rel.t/tok: step-time estimate per token / the first row's")
+        lines.append("rel.t/tok: step-time estimate per token / the first row's (a ring's sends not overlapped)")
+        lines.append(COMM_FOOTER)
         lines.append(SCHEDULE_FOOTER)
+        lines += [RING_NOTE] if any(c.ring for c, _ in rows) else []
     else:
         lines.append("no layout fits a sequence")
     return "\n".join(lines + _refused_lines(refused))

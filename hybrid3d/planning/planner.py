@@ -1,19 +1,22 @@
 """`python -m hybrid3d.plan`: rank (tp, pp, cp, dp, SP, ZeRO, checkpointing, micro-batch) layouts for a
-model on a cluster, by the memory model (`hybrid3d.memory`) and a step-time estimate.
+model on a cluster, by the memory model (`hybrid3d.memory`) and a step-time estimate, context parallelism by
+DeepSpeed-Ulysses; with --longest-sequence, the longest sequence each layout fits, context parallelism also by
+ring attention (context_parallel_comm p2p, or a2a+p2p: Ulysses inside a ring), which lifts Ulysses' head limit.
 
 Memory per GPU = peak model states (DeepSpeed's wrappers, incl. its reduce bucket; ZeRO over the d·c
 ranks of DeepSpeed's data-parallel group, CP folded in) + activations of the worst pipeline rank (the
 schedule's in-flight passes; `planning.activations`, with Megatron sequence parallelism (SP, Korthikanti
-et al. 2022) and DeepSpeed-Ulysses context parallelism (CP, Jacobs et al. 2023)) + a fixed reserve (CUDA
+et al. 2022) and context parallelism (CP) by DeepSpeed-Ulysses (Jacobs et al. 2023), ring attention or both)
++ a fixed reserve (CUDA
 context, NCCL, fragmentation). World = t·p·d·c; global batch = d·b·m sequences (the c ranks of a CP group share
 each sequence, s/c tokens apiece).
 
 Relative step time (lower is better), per GPU, for the same global batch: `step_time.estimate_step_time`
 (its docstring has the formulas: compute / (t·p·c), the schedule's bubble, TP ring bus bytes by op, CP
-all-to-alls, DP over d·c, pipeline send/recv). The absolute numbers are rough; the ranking is what the
+all-to-alls and ring sends, DP over d·c, pipeline send/recv). The absolute numbers are rough; the ranking is what the
 estimate is for.
-Enumerated: t | GPUs, p | GPUs/t and, with `context_parallel` (the command line's default), c | GPUs/(t·p)
-with t·c <= GPUs per node (CP groups sit next to TP inside a node), where the
+Enumerated (`layouts.enumerate_layouts`): t | GPUs, p | GPUs/t and, with `context_parallel` (the command line's
+default), c | GPUs/(t·p) with t·c <= GPUs per node (CP groups sit next to TP inside a node), where the
 model splits (a % (t·c) == 0; the kv heads of a TP rank k_t and c divide one another; c | s, and
 t·c | s with SP); with `sequence_parallel` SP is, for t > 1, an option of each layout like
 checkpointing and the micro-batch.
@@ -26,10 +29,16 @@ each layout also tries interleaved 1F1B with v = 2 (2p | L, p | m: bubble (p-1)/
 1 + (p-1)/(2p) times the activations and 2x the messages) and DualPipeV (m >= 2p, L >= 2p: rank 0 holds
 embedding and head); the table keeps the fastest fitting row of each schedule.
 
-Longest sequence (`longest_sequence`, `--longest-sequence`): per layout (t, p, c, SP, ZeRO,
+Longest sequence (`longest_sequence`, `--longest-sequence`): per layout (t, p, c, CP attention, SP, ZeRO,
 checkpointing; micro-batch 1) the largest s that fits, a multiple of lcm(128, c·t with SP, else c)
-(`sequence_unit`: 128-token steps that c, and with SP t, divide), up to the model's
-max_position_embeddings or `--max-seq-length`. Memory grows with s, so a binary search finds it.
+(`sequence_unit`: 128-token steps that c, and with SP t, divide; 2c with a ring, whose 2c chunks must be whole),
+up to the model's max_position_embeddings or `--max-seq-length`. Memory grows with s, so a binary search finds it.
+Besides Ulysses (the rows `plan` has), each c > 1 also tries ring attention: "p2p", a ring over all c ranks (no
+head limit, and it may cross nodes: its sends then take the inter-node link), and "a2a+p2p" with u the largest
+divisor of c below c that Ulysses allows (a % (t·u), k_t and u dividing one another, t·u | GPUs per node;
+`layouts.hybrid_a2a_size`). A ring rank keeps its kv heads unrepeated (`activations.cp_kv_heads`) and the
+step time adds its sends (`step_time.ring_seconds`, an upper bound: not overlapped). The trainer runs ring
+attention on the CPU accelerator only for now (`config.support.check_ring_attention`): the table says so.
 
 LoRA (`--lora-rank r`, `--lora-targets`; the shape's `lora_rank`, `lora_targets`): the memory model counts the
 frozen base in bf16 and the adapters as the trained parameters (`memory.lora_model_states`); ZeRO-2 with p > 1
@@ -40,24 +49,30 @@ gradients, which `step_time`/`traffic` do not model yet, so the rel.time of LoRA
 """
 
 import argparse
-import math
 import os
 import sys
 from dataclasses import dataclass
 from typing import Optional
 
-from hybrid3d.errors import ConfigError, LayoutError, UserError
+from hybrid3d.errors import ConfigError, UserError
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import LORA_TARGETS, check_split
-from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.model.tp_plan import LORA_TARGETS
+from hybrid3d.planning.activations import uses_ring
 from hybrid3d.planning.flops import peak_tflops
 from hybrid3d.planning.hints import gb, no_fit_hints, parse_gigabytes
+from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner's public names)
+    Candidate,
+    cp_label,
+    divisors,
+    enumerate_layouts,
+    layout_refusal,
+    sequence_unit,
+)
 from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora  # noqa: F401
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
 from hybrid3d.planning.plan_format import format_longest, format_plan  # noqa: F401 (the command line prints them)
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
-SEQUENCE_UNIT = 128  # tokens: the step of the longest-sequence search (times what c and t must divide)
 SCHEDULE_LABELS = {"1f1b": "1f1b", "interleaved": "int-v{v}", "dualpipev": "dpv"}  # the table's `sched` column
 
 
@@ -77,13 +92,23 @@ class Choice:
     bubble: float
     pipe_seconds: float  # pipeline send/recv and all-gathers within step_seconds
     sp: bool = False  # Megatron sequence parallelism over the TP group
-    cp: int = 1  # DeepSpeed-Ulysses context-parallel degree (world = tp·pp·cp·dp)
+    cp: int = 1  # context-parallel degree (world = tp·pp·cp·dp)
     schedule: str = "1f1b"  # hybrid3d.pipeline_schedule
     virtual: int = 1  # hybrid3d.virtual_pipeline_size: v chunks per rank when interleaved
+    comm: str = "a2a"  # hybrid3d.context_parallel_comm: "a2a" Ulysses, "p2p" ring attention, "a2a+p2p" both
+    cp_a2a: int = 1  # hybrid3d.context_parallel_a2a_size: the Ulysses ranks inside each ring member with "a2a+p2p"
 
     @property
     def precision(self) -> str:
         return planned_precision(self.zero)
+
+    @property
+    def ring(self) -> bool:
+        return uses_ring(self.cp, self.comm)
+
+    @property
+    def cp_label(self) -> str:
+        return cp_label(self.cp, self.comm, self.cp_a2a)
 
     @property
     def schedule_label(self) -> str:
@@ -95,36 +120,11 @@ def planned_precision(zero: int) -> str:
 
 
 def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
-                seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b",
-                v: int = 1) -> tuple[float, float]:
+                seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b", v: int = 1,
+                comm: str = "a2a", cp_a2a: int = 1) -> tuple[float, float]:
     """`worst_rank_bytes` of the planned precision, ZeRO over the d·c ranks, ZeRO-2 with p > 1 pipeline_zero2."""
     return worst_rank_bytes(shape, tp, pp, dp * cp, zero, planned_precision(zero), checkpointing, micro_batch, seq,
-                            gas, bucket, sp, cp, zero == 2 and pp > 1, schedule, v)
-
-
-def divisors(n: int) -> list[int]:
-    return [k for k in range(1, n + 1) if n % k == 0]
-
-
-def layout_refusal(shape: LlamaShape, tp: int, pp: int, cluster: Cluster, cp: int = 1) -> Optional[str]:
-    if tp > cluster.gpus_per_node:
-        return f"tp={tp} > {cluster.gpus_per_node} GPUs per node: TP all-reduces would cross nodes"
-    if tp * cp > cluster.gpus_per_node:
-        return f"tp·cp = {tp * cp} > {cluster.gpus_per_node} GPUs per node: the all-to-alls would cross nodes"
-    if cluster.gpus_per_node % (tp * cp):  # ranks fill nodes in order: some block would straddle two nodes
-        return (f"tp·cp = {tp * cp} does not divide {cluster.gpus_per_node} GPUs per node: some TP groups would "
-                "cross nodes (parallel/placement.py)")
-    try:
-        ParallelLayout(tp, pp, cluster.gpus // (tp * pp * cp), cp=cp)
-        check_split(shape, tp, pp, cp)  # with cp: a % (t·c), and the kv heads of a TP rank and c divide one another
-    except LayoutError as e:
-        return str(e)
-    return None
-
-
-def sequence_unit(tp: int, cp: int, sp: bool) -> int:
-    """The longest-sequence search's step: lcm(128, c·t) with SP, lcm(128, c) without."""
-    return math.lcm(SEQUENCE_UNIT, cp * (tp if sp else 1))
+                            gas, bucket, sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a)
 
 
 def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bool = True) -> list[tuple[str, int]]:
@@ -140,40 +140,19 @@ def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bo
 
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
-             schedule: str = "1f1b", virtual: int = 1) -> Choice:
+             schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1) -> Choice:
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
     precision = planned_precision(zero)
     states, acts = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
-                               schedule, virtual)
+                               schedule, virtual, comm, cp_a2a)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
-                              sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual)
+                              sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
+                              cp_a2a=cp_a2a)
     memory = states + acts + cluster.reserve_gb * GB
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
-                  step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual)
-
-
-def _layouts(shape: LlamaShape, cluster: Cluster, global_batch: int, context_parallel: bool = True):
-    """(tp, pp, cp, dp, name, refusal or None) of every layout to report (cp = 1 only unless
-    `context_parallel`). CP variants of a layout refused without CP, and those with t·c > GPUs per
-    node, are left out: one line says so."""
-    skipped = False
-    for tp in divisors(cluster.gpus):
-        for pp in divisors(cluster.gpus // tp):
-            base = layout_refusal(shape, tp, pp, cluster)
-            for cp in divisors(cluster.gpus // (tp * pp)) if context_parallel else (1,):
-                if cp > 1 and (base or tp * cp > cluster.gpus_per_node):
-                    skipped |= base is None
-                    continue
-                dp = cluster.gpus // (tp * pp * cp)
-                name = f"TP{tp} PP{pp}" + (f" CP{cp}" if cp > 1 else "") + f" DP{dp}"
-                reason = base if cp == 1 else layout_refusal(shape, tp, pp, cluster, cp)
-                if reason is None and global_batch % dp:
-                    reason = f"global batch {global_batch} is not divisible by dp={dp}"
-                yield tp, pp, cp, dp, name, reason
-    if skipped:
-        yield 0, 0, 0, 0, "CP > 1", (f"only with tp·cp <= {cluster.gpus_per_node} GPUs per node "
-                                     "(Ulysses all-to-alls inside a node); others not listed")
+                  step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual,
+                  comm, cp_a2a)
 
 
 def _zero_stages(pp: int, dp: int, lora: bool = False) -> tuple:
@@ -196,7 +175,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
     (`schedule_options`) for p > 1 (the command line does all three; off by default, so a plain call plans
     the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory."""
     feasible, refused = [], []
-    for tp, pp, cp, dp, name, reason in _layouts(shape, cluster, global_batch, context_parallel):
+    for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
             reason = f"seq {seq} is not divisible by cp={cp}"
         if reason:
@@ -230,40 +209,54 @@ def _largest_fit(fits, unit: int, cap: int) -> int:
     return lo * unit
 
 
+def _longest_rows(shape: LlamaShape, cluster: Cluster, layout: Candidate, global_batch: int, cap: int, bucket: int,
+                  schedules: bool) -> tuple[list[tuple[Choice, int]], Optional[str]]:
+    """([(choice, longest seq)] of one layout's (SP, ZeRO, checkpointing[, schedule]) options at micro-batch 1 that fit
+    some sequence; the refusal line when none does)."""
+    tp, pp, cp, dp, comm, a2a = layout[:6]
+    gas, rows, least = global_batch // dp, [], None  # least: the option needing the least memory
+    for sp, zero, ckpt, sched in [(sp, z, ck, sched) for sp in ((False, True) if tp > 1 else (False,))
+                                  for z in _zero_stages(pp, dp * cp, shape.lora_rank > 0) for ck in (False, True)
+                                  for sched in schedule_options(shape, pp, gas, z, schedules)]:
+        unit = sequence_unit(tp, cp, sp, uses_ring(cp, comm))
+
+        def fits(seq: int) -> bool:
+            memory = sum(_worst_rank(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp, *sched, comm, a2a))
+            return (memory + cluster.reserve_gb * GB) / GB <= cluster.gpu_memory_gb
+
+        def choice(seq: int) -> Choice:
+            return evaluate(shape, cluster, tp, pp, zero, ckpt, 1, seq, global_batch, bucket, sp, cp, *sched, comm, a2a)
+
+        seq = _largest_fit(fits, unit, cap)
+        if seq:
+            rows.append((choice(seq), seq))
+        elif unit <= cap:
+            c = choice(unit)
+            least = (c, unit) if least is None or c.memory_gb < least[0].memory_gb else least
+    if rows:
+        return rows, None
+    unit = sequence_unit(tp, cp, False, uses_ring(cp, comm))
+    return [], (_too_big(layout.name, least[0], cluster, f"for {least[1]} tokens at micro-batch 1") if least
+                else f"{layout.name}: no {unit}-token step fits under {cap}")
+
+
 def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max_seq: Optional[int] = None,
-                     bucket: int = DEFAULT_REDUCE_BUCKET,
-                     schedules: bool = False) -> tuple[list[tuple[Choice, int]], list[str]]:
-    """([(choice, longest seq)] of every (tp, pp, cp, SP, ZeRO, checkpointing[, schedule]) layout at micro-batch
-    1 that fits some sequence, longest first then fastest; refusal lines). seq is the largest multiple of
+                     bucket: int = DEFAULT_REDUCE_BUCKET, schedules: bool = False,
+                     rings: bool = True) -> tuple[list[tuple[Choice, int]], list[str]]:
+    """([(choice, longest seq)] of every (tp, pp, cp, CP attention, SP, ZeRO, checkpointing[, schedule]) layout at
+    micro-batch 1 that fits some sequence, longest first then fastest; refusal lines). seq is the largest multiple of
     `sequence_unit` <= max_seq (default: max_position_embeddings) whose peak memory fits the GPU.
-    `schedules`: as for `plan`."""
+    `schedules`: as for `plan`; `rings`: also ring attention, "p2p" and "a2a+p2p" (`layouts.ring_options`), at each
+    c > 1 (False: Ulysses only, as `plan`)."""
     cap = max_seq or shape.max_position_embeddings
     rows, refused = [], []
-    for tp, pp, cp, dp, name, reason in _layouts(shape, cluster, global_batch):
-        if reason:
-            refused.append(f"{name}: {reason}")
+    for layout in enumerate_layouts(shape, cluster, global_batch, rings=rings):
+        if layout.reason:
+            refused.append(f"{layout.name}: {layout.reason}")
             continue
-        gas, found, least = global_batch // dp, False, None  # least: the option needing the least memory
-        for sp, zero, ckpt, sched in [(sp, z, ck, sched) for sp in ((False, True) if tp > 1 else (False,))
-                                      for z in _zero_stages(pp, dp * cp, shape.lora_rank > 0) for ck in (False, True)
-                                      for sched in schedule_options(shape, pp, gas, z, schedules)]:
-            unit = sequence_unit(tp, cp, sp)
-
-            def fits(seq: int) -> bool:
-                memory = sum(_worst_rank(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp, *sched))
-                return (memory + cluster.reserve_gb * GB) / GB <= cluster.gpu_memory_gb
-
-            seq = _largest_fit(fits, unit, cap)
-            if seq:
-                rows.append((evaluate(shape, cluster, tp, pp, zero, ckpt, 1, seq, global_batch, bucket, sp, cp, *sched),
-                             seq))
-                found = True
-            elif unit <= cap:
-                c = evaluate(shape, cluster, tp, pp, zero, ckpt, 1, unit, global_batch, bucket, sp, cp, *sched)
-                least = (c, unit) if least is None or c.memory_gb < least[0].memory_gb else least
-        if not found:
-            refused.append(_too_big(name, least[0], cluster, f"for {least[1]} tokens at micro-batch 1")
-                           if least else f"{name}: no {sequence_unit(tp, cp, False)}-token step fits under {cap}")
+        found, reason = _longest_rows(shape, cluster, layout, global_batch, cap, bucket, schedules)
+        rows += found
+        refused += [reason] if reason else []
     rows.sort(key=lambda r: (-r[1], r[0].step_seconds))
     return rows, refused
 
@@ -314,7 +307,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
     parser.add_argument("--top", type=_positive(int), default=15)
     parser.add_argument("--longest-sequence", action="store_true",
-                        help="per layout (micro-batch 1), the longest sequence that fits --gpu-memory")
+                        help="per layout (micro-batch 1), the longest sequence that fits --gpu-memory; context "
+                             "parallelism by Ulysses and ring attention")
     parser.add_argument("--max-seq-length", type=_positive(int), default=None,
                         help="with --longest-sequence: search up to this many tokens "
                              "(default: the model's max_position_embeddings)")

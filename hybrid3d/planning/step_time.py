@@ -10,7 +10,11 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     tp comm  = ring bus bytes of the logged TP collectives / intra-node bandwidth (not overlapped):
                all-reduce n -> 2n(t-1)/t, reduce-scatter n -> n(t-1)/t, all-gather of shard m -> m(t-1)
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
-    cp comm  = logged all-to-all bytes · (c-1)/c / intra-node bandwidth (`traffic.cp_bytes_per_step`)
+    cp comm  = logged all-to-all bytes · (u-1)/u / intra-node bandwidth (`traffic.cp_bytes_per_step`), over the
+               u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p")
+               + with a ring ("p2p", "a2a+p2p"): ring bytes per layer (`traffic.ring_bytes_per_layer`: forward
+               + backward, the forward again with checkpointing) · the busiest rank's layers · m / the ring's
+               link (`Cluster.ring_gbps`: intra-node when a CP group fits a node, else inter-node)
     dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it),
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
     pp comm  = slots · max over pipeline ranks of one micro-batch's
@@ -19,9 +23,12 @@ TP, CP and DP bytes are those of the busiest pipeline rank, summed over its stag
 the interleaved schedule; DualPipeV's rank 0 adds the head's collectives to the embedding's). DP sums the
 stages' Ψ, so a tied embedding DualPipeV's rank 0 holds once is counted twice (an over-estimate).
 CP places its groups inside a node next to TP (rank = ((pipe·d + data)·c + cp)·t + model, `parallel/
-layout.py`), so a CP all-to-all runs at the intra-node bandwidth; the planner refuses t·c > GPUs per
-node. Compute: with CP each rank computes s/c of every sequence's tokens and a/(t·c) heads of attention
-over all s, so the FLOPs are divided by c like the tokens.
+layout.py`), so a CP all-to-all runs at the intra-node bandwidth; the planner refuses t·u > GPUs per
+node. A ring's sends may cross nodes. Compute: with CP each rank computes s/c of every sequence's tokens and
+a/(t·c) heads of attention over all s (a ring: its queries against every key block, causal pairs balanced by
+the 2c chunks), so the FLOPs are divided by c like the tokens. The ring term is not overlapped, like every other
+term here, while `parallel/ring_attention.py` overlaps each send with the attention of the block in hand: an
+upper bound.
 pp comm: DeepSpeed's TrainSchedule runs 2(m + p - 1) lock-step slots (`runtime/pipe/schedule.py:
 TrainSchedule.steps`) whose sends and receives block (`runtime/pipe/p2p.py: send/recv`), so a stage's
 transfers lengthen each of the m + p - 1 forward-backward slots of the slowest stage (slots for the other
@@ -44,7 +51,7 @@ from functools import lru_cache
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
-from hybrid3d.planning.activations import rank_stages
+from hybrid3d.planning.activations import rank_stages, stage_layer_count, ulysses_size, uses_ring
 from hybrid3d.planning.flops import training_flops_per_token
 from hybrid3d.planning.memory import GB
 from hybrid3d.planning.traffic import (
@@ -52,6 +59,7 @@ from hybrid3d.planning.traffic import (
     dp_bytes_per_step,
     pp_boundary_bytes,
     pp_gather_bytes_per_step,
+    ring_bytes_per_layer,
     tp_bus_bytes,
     tp_bytes_by_op,
 )
@@ -67,6 +75,13 @@ class Cluster:
     efficiency: float = 0.5
     intra_node_gbps: float = 200.0  # GB/s per GPU of all-reduce bus bandwidth inside a node
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
+
+    def ring_gbps(self, tp: int, cp: int) -> float:
+        """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
+        (`parallel/layout.py`), so all groups lie in one node each iff t·c divides the GPUs per node; otherwise a
+        group spans a node boundary, which falls between two ring members (t·u divides the node), and that pair
+        sets the pace."""
+        return self.intra_node_gbps if self.gpus_per_node % (tp * cp) == 0 else self.inter_node_gbps
 
     def pipe_link_gbps(self, stage: int, tp: int, dp: int) -> float:
         """Bandwidth between `stage` and `stage + 1`. DeepSpeed numbers ranks pipe·d·t + data·t + model
@@ -94,7 +109,7 @@ class StepTime:
     tp: float  # TP all-reduces (with SP: reduce-scatters, all-gathers and the norms' all-reduces)
     dp: float  # gradient reduction and ZeRO's all-gather
     pipe: float  # pipeline send/recv and the all-gathers re-assembling partitioned messages
-    cp: float = 0.0  # Ulysses all-to-alls
+    cp: float = 0.0  # Ulysses all-to-alls and the ring's sends
 
     @property
     def seconds(self) -> float:
@@ -151,11 +166,24 @@ def pipe_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int,
     return pipeline_slots(schedule, pp, gas, virtual) * slowest
 
 
+def ring_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, cp: int, micro_batch: int, gas: int,
+                 seq: int, act_bytes: int = 2, checkpointing: bool = False, comm: str = "a2a", cp_a2a: int = 1,
+                 schedule: str = "1f1b", virtual: int = 1) -> float:
+    """The ring's part of cp comm (module docstring): (forward + backward) ring bytes per layer · the layers of the
+    busiest pipeline rank · m micro-batches / the ring's link; 0 without a ring."""
+    if not uses_ring(cp, comm):
+        return 0.0
+    forward, backward = ring_bytes_per_layer(shape, micro_batch, seq, tp, cp, ulysses_size(cp, comm, cp_a2a),
+                                             act_bytes, checkpointing)
+    layers = _worst_rank(lambda S, st: stage_layer_count(shape, S, st), schedule, pp, virtual)
+    return (forward + backward) * layers * gas / (cluster.ring_gbps(tp, cp) * GB)
+
+
 def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, zero: int,
                        micro_batch: int, gas: int, seq: int, precision: str = "bf16+fp32acc",
                        checkpointing: bool = False, pipe_partitioned: bool = True,
                        grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1,
-                       schedule: str = "1f1b", virtual: int = 1) -> StepTime:
+                       schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1) -> StepTime:
     """Estimated seconds of one training step (the planner's model, module docstring) of `shape` on
     `cluster` (peak, efficiency, intra/inter-node bandwidth, GPUs per node) with layout tp x pp x dp x cp,
     ZeRO stage `zero`, `micro_batch` sequences of `seq` tokens per micro-batch, `gas` micro-batches per
@@ -163,7 +191,8 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     (activations and messages are 4 bytes for "fp32", else 2), full activation `checkpointing`,
     DeepSpeed's `"pipeline": {"pipe_partitioned", "grad_partitioned"}` (both on by default; they act only
     when tp > 1 and are off with SP and with the interleaved and DualPipeV schedules), Megatron
-    `sequence_parallel`, Ulysses context parallelism `cp` and the pipeline `schedule` ("1f1b",
+    `sequence_parallel`, context parallelism `cp` by `comm` (context_parallel_comm: "a2a" Ulysses, "p2p" ring
+    attention, "a2a+p2p" Ulysses over `cp_a2a` ranks around a ring) and the pipeline `schedule` ("1f1b",
     "interleaved" with `virtual` = v chunks per rank, "dualpipev").
     `.seconds` is the total; it is meant for comparing with measured step times."""
     act_bytes = 4 if precision == "fp32" else 2
@@ -175,8 +204,12 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     tp_seconds = _worst_rank(lambda S, st: tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, S, st, gas,
                                                                       act_bytes, checkpointing, sp, cp), tp),
                             schedule, pp, v) / intra
+    u = ulysses_size(cp, comm, cp_a2a)  # the ranks of one all-to-all (c with Ulysses alone)
     cp_seconds = _worst_rank(lambda S, st: cp_bytes_per_step(shape, micro_batch, seq, tp, cp, S, st, gas, act_bytes,
-                                                            checkpointing), schedule, pp, v) * (cp - 1) / cp / intra
+                                                            checkpointing, comm, cp_a2a),
+                             schedule, pp, v) * (u - 1) / u / intra
+    cp_seconds += ring_seconds(shape, cluster, tp, pp, cp, micro_batch, gas, seq, act_bytes, checkpointing, comm,
+                               cp_a2a, schedule, v)
     zero_group = dp * cp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
     dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),

@@ -28,7 +28,9 @@ micro-batch, forward 4 all-to-alls — q (b·(s/c)·(a/t)·d_h), k and v (b·(s/
 heads after repetition, `activations.cp_kv_heads`) and the attention output (as q) — and the same 4
 backward; recomputation repeats the forward ones (`cp_bytes_per_step`). The loss adds one all-reduce of
 2 fp32 per micro-batch (`cp_loss_bytes_per_step`). Without SP the TP all-reduces
-above are over b·(s/c)·h.
+above are over b·(s/c)·h. Ring attention (`context_parallel_comm` "p2p") replaces the all-to-alls by the ring's
+point-to-point sends (`ring_bytes_per_layer`); with "a2a+p2p" the all-to-alls span the u ranks of a Ulysses
+group (k_c the kv heads Ulysses over u needs, `activations.cp_kv_heads`) and the ring the c/u others.
 
 Expert parallelism (GShard, Lepikhin et al. 2021, §2.2; DeepSpeed-MoE, Rajbhandari et al. 2022, §5;
 `parallel/expert_parallel.py`, all_to_all_single over the e ranks of an EP group, logged at its input): per
@@ -69,7 +71,7 @@ with no pipeline all-gather.
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.moe import expert_capacity
 from hybrid3d.model.tp_plan import kv_heads_split
-from hybrid3d.planning.activations import cp_kv_heads, sequence_chunk, stage_layer_count
+from hybrid3d.planning.activations import cp_kv_heads, sequence_chunk, stage_layer_count, ulysses_size
 from hybrid3d.planning.memory import TORCH, UNFUSED, aligned_numel, optimizer_wrapper, stage_parameter_numels
 
 TP_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
@@ -129,15 +131,16 @@ def tp_bus_bytes(by_op: dict, t: int) -> float:
 
 
 def cp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, cp: int, pp: int, stage: int, gas: int,
-                      act_bytes: int = 2, recompute: bool = False) -> int:
-    """Logged all_to_all_single bytes of one rank of `stage` per step (0 when cp == 1): per block and
-    micro-batch 4 forward (q, k, v, output) + 4 backward (+ 4 recomputed), q and output b·(s/c)·(a/t)·d_h,
-    k and v b·(s/c)·k_c·d_h elements each (module docstring)."""
-    if cp == 1:
+                      act_bytes: int = 2, recompute: bool = False, comm: str = "a2a", a2a: int = 1) -> int:
+    """Logged all_to_all_single bytes of one rank of `stage` per step (0 without Ulysses: cp == 1 or `comm`
+    "p2p"): per block and micro-batch 4 forward (q, k, v, output) + 4 backward (+ 4 recomputed), q and output
+    b·(s/c)·(a/t)·d_h, k and v b·(s/c)·k_c·d_h elements each (module docstring), over all c ranks or, with
+    "a2a+p2p", the `a2a` ranks of a Ulysses group."""
+    if ulysses_size(cp, comm, a2a) == 1:
         return 0
     s_c, d = sequence_chunk(s, tp, False, cp), shape.head_dim
     q = b * s_c * (shape.num_heads // tp) * d
-    kv = b * s_c * cp_kv_heads(shape, tp, cp) * d
+    kv = b * s_c * cp_kv_heads(shape, tp, cp, comm, a2a) * d
     passes = 3 if recompute else 2
     return gas * stage_layer_count(shape, pp, stage) * passes * (2 * q + 2 * kv) * act_bytes
 

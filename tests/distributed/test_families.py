@@ -1,7 +1,7 @@
 """Qwen2, Qwen3 and Mistral train exactly like their Hugging Face classes (fp32, 5 AdamW steps) at TP2 x PP2 and
 at the layout matrix's DP case, plus the layouts where their additions meet TP's edge cases: Qwen2's k/v biases
 replicated with their kv heads at TP4, Qwen3's q/k norms under sequence parallelism, Mistral's window under
-context parallelism. One spawned world per world size (2 and 4 ranks) runs all of that size's runs; the world of 4
+context parallelism (Ulysses and ring). One spawned world per world size (2 and 4 ranks) runs all of that size's runs; the world of 4
 also runs `hybrid3d.verify` on converted checkpoints of each family and on one with a corrupted Qwen3 q_norm."""
 
 import functools
@@ -73,6 +73,9 @@ def family_runs():
         dict(name="qwen2-TP4-Z1", case="qwen2", tp=4, pp=1, zero=1, world=4),  # 2 kv heads: k/v + biases replicated
         dict(name="qwen3-SP-TP2-Z1", case="qwen3", tp=2, pp=1, zero=1, world=2, hybrid={"sequence_parallel": True}),
         dict(name="mistral-CP2-Z1", case="mistral", tp=1, pp=1, zero=1, world=2, hybrid={"context_parallel_size": 2}),
+        # the window masks ring attention's blocks (issue 36)
+        dict(name="mistral-ring-CP2-Z1", case="mistral", tp=1, pp=1, zero=1, world=2,
+             hybrid={"context_parallel_size": 2, "context_parallel_comm": "p2p"}),
     ]
     return runs
 

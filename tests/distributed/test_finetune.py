@@ -5,8 +5,8 @@
   global batch with -100 labels;
 - "sft": both (how fine-tuning data is packed).
 Losses, gradient norms (before clipping) and weights after 5 steps within 1e-5 of the reference, at TP2xPP2,
-DP2 (ZeRO-1 and 2), TP1xPP1, PP2 with tied embeddings, with context and sequence parallelism, and with
-activation checkpointing (partitioned under a pipeline, non-reentrant without).
+DP2 (ZeRO-1 and 2), TP1xPP1, PP2 with tied embeddings, with context parallelism (Ulysses, ring and both) and sequence
+parallelism, and with activation checkpointing (partitioned under a pipeline, non-reentrant without).
 """
 
 import pytest
@@ -43,6 +43,10 @@ RUNS = [
     run("TP2-PP2-ckpt-partitioned", "sft", tp=2, pp=2, extra=PARTITIONED),
     run("DP2-ckpt-non-reentrant", "sft", dp=2, extra=NON_REENTRANT),
     run("TP1-PP1", "masked"), run("TP1-PP1", "sft"),
+    # ring attention's blocks masked to documents (issue 36): ring CP2, and Ulysses 2 x ring 2 (a2a+p2p)
+    run("ring-CP2", "docs", context_parallel_size=2, context_parallel_comm="p2p"),
+    run("ulysses2-x-ring2", "sft", context_parallel_size=4, context_parallel_comm="a2a+p2p",
+        context_parallel_a2a_size=2),
 ]
 
 

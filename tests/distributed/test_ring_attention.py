@@ -1,7 +1,8 @@
 """Ring attention (`context_parallel_comm: "p2p"`, issue 36) trains exactly like Hugging Face + torch AdamW (fp32, 5
 steps, losses and weights within 1e-5) at ring CP2 and CP4, TP2 x ring CP2 on a 6-head / 2-kv-head model (which
 Ulysses refuses: 6 heads do not split over TP2 x CP2), ring CP2 x PP2 with tied embeddings, and ring CP2 x DP2
-ZeRO-2 with activation checkpointing, and Ulysses 2 x ring 2 (`a2a+p2p`, CP4)."""
+ZeRO-2 with activation checkpointing, and Ulysses 2 x ring 2 (`a2a+p2p`, CP4). Packed documents and sliding
+windows with a ring: tests/distributed/test_finetune.py and test_families.py."""
 
 import pytest
 import torch

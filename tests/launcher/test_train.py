@@ -175,15 +175,16 @@ def test_training_starts_from_hf_weights(tmp_path):
 
 
 def test_context_parallel_run_resumes_at_another_layout(tmp_path):
-    """A TP2+SP x CP2 run's checkpoint (ZeRO partitions over the d·c = 2 sequence-data-parallel ranks)
-    reshards to one rank through the universal checkpoint and evaluates to the run's own last eval loss."""
+    """A TP2+SP x Ulysses CP2 run's checkpoint (ZeRO partitions over the d·c = 2 sequence-data-parallel ranks)
+    reshards to ring attention's CP2 without TP through the universal checkpoint and evaluates to the run's own last
+    eval loss."""
     config = demo_config(tmp_path, pipeline_parallel_size=1, context_parallel_size=2, sequence_parallel=True)
     trained = run_job(4, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "layout TP2+SP-CP2-PP1-DP1" in trained.stdout and "16 tokens per rank" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
     assert metrics[-1]["loss"] < metrics[0]["loss"] - 0.5, [m["loss"] for m in metrics]
-    result = run_job(1, config, "--tensor_parallel_size", "1", "--context_parallel_size", "1", "--sequence_parallel",
+    result = run_job(2, config, "--tensor_parallel_size", "1", "--context_parallel_comm", "p2p", "--sequence_parallel",
                     "false", "--checkpoint.load", str(tmp_path / "run" / "checkpoints"), "--eval-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in result.stdout

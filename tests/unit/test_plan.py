@@ -1,5 +1,5 @@
 """The layout planner: feasible layouts for Llama 3 8B on 8 x 80 GB, refusals with reasons, CLI errors;
-sequence and context parallelism, the longest-sequence search."""
+sequence and context parallelism, the longest-sequence search (its ring attention: test_ring_planning.py)."""
 
 import subprocess
 import sys
@@ -135,13 +135,14 @@ def test_longest_sequence_search(llama3_8b):
     rows, refused = longest_sequence(llama3_8b, cluster, 64, max_seq=65536)
     assert rows and [(-s, c.step_seconds) for c, s in rows] == sorted((-s, c.step_seconds) for c, s in rows)
     for c, seq in rows[:5]:
-        unit = sequence_unit(c.tp, c.cp, c.sp)
+        unit = sequence_unit(c.tp, c.cp, c.sp, c.ring)
         assert seq % unit == 0 and seq <= 65536 and c.micro_batch == 1 and c.memory_gb <= 80
         if seq + unit <= 65536:  # one step longer does not fit
             longer = evaluate(llama3_8b, cluster, c.tp, c.pp, c.zero, c.checkpointing, 1, seq + unit, 64,
-                              DEFAULT_REDUCE_BUCKET, c.sp, c.cp)
+                              DEFAULT_REDUCE_BUCKET, c.sp, c.cp, c.schedule, c.virtual, c.comm, c.cp_a2a)
             assert longer.memory_gb > 80
     assert sequence_unit(2, 4, True) == 128 and sequence_unit(3, 1, True) == 384 and sequence_unit(3, 1, False) == 128
+    assert sequence_unit(1, 128, False, ring=True) == 256 and sequence_unit(3, 2, True, ring=True) == 384
 
 
 def test_longest_sequence_cli(capsys):
@@ -151,7 +152,7 @@ def test_longest_sequence_cli(capsys):
     out = capsys.readouterr().out
     assert "longest sequence up to 32768 tokens" in out and "rel.t/tok" in out
     header = next(line for line in out.splitlines() if line.split()[:2] == ["seq", "tp"])
-    assert header.split()[:7] == ["seq", "tp", "pp", "cp", "dp", "sp", "zero"]
+    assert header.split()[:8] == ["seq", "tp", "pp", "cp", "comm", "dp", "sp", "zero"]
 
 
 @pytest.mark.parametrize("argv", [

@@ -1,6 +1,8 @@
 """context_parallel_comm (issue 36) refused in one line naming the key, and ring attention's layout rules (no
 process group): the load-balanced chunks and what the heads no longer limit."""
 
+import dataclasses
+
 import pytest
 import torch
 from transformers import LlamaConfig
@@ -28,8 +30,6 @@ def test_refusals_name_the_key():
         (config(context_parallel_comm="ring"), "hybrid3d.context_parallel_comm must be one of a2a, p2p"),
         (config(context_parallel_comm="a2a+p2p"), "context_parallel_a2a_size (1) must divide context_parallel_size (2)"),
         (config(context_parallel_a2a_size=2), "context_parallel_a2a_size applies to context_parallel_comm 'a2a+p2p'"),
-        (config(context_parallel_comm="p2p", data={"document_mask": True}),
-         "'p2p' does not support hybrid3d.data.document_mask yet"),
         (config(context_parallel_comm="p2p", data={"seq_length": 130}),
          "seq_length (130) is not divisible by context_parallel_size (2) * 2 (ring attention)"),
     ]
@@ -37,11 +37,16 @@ def test_refusals_name_the_key():
         with pytest.raises(ConfigError) as caught:
             validate_run(raw, 2, SIX_HEADS, on_cpu=True)
         assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
-    cases = [(config(context_parallel_comm="p2p"), "runs on the CPU accelerator only for now")]
-    for raw, needle in cases:
+    cases = [(config(context_parallel_comm="p2p"), SIX_HEADS, False, "runs on the CPU accelerator only for now"),
+             (config(context_parallel_comm="p2p"), dataclasses.replace(SIX_HEADS, attention_dropout=0.1), True,
+              "'p2p' does not support attention_dropout > 0 yet")]
+    for raw, shape, on_cpu, needle in cases:
         with pytest.raises(ConfigError) as caught:
-            validate_run(raw, 2, SIX_HEADS, on_cpu=False)
+            validate_run(raw, 2, shape, on_cpu=on_cpu)
         assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
+    # packed documents and sliding windows are masked in the ring's blocks (tests/distributed/test_finetune.py,
+    # test_families.py): accepted
+    validate_run(config(context_parallel_comm="p2p", data={"document_mask": True}), 2, SIX_HEADS, on_cpu=True)
 
 
 def test_ring_lifts_the_head_limit_ulysses_has():
