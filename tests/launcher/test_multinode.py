@@ -1,15 +1,18 @@
 """Multi-node launching: one `deepspeed --hostfile H --no_ssh --node_rank r` process per "node" (here two on one
 machine, as a scheduler starts one per node), both pointing at rank 0's rendezvous. The 4-rank TP2xPP2 demo job
 spans the two nodes (TP inside each, the pipeline across them) and must train exactly like the single-host
-run of the same layout, end when a node dies, and resume across them."""
+run of the same layout, end when a node dies (its ranks killed -9, one of them while writing a checkpoint), and
+resume across them to the same losses and weights: nothing the killed save wrote is lost or taken for complete."""
 
 import json
 import subprocess
 import time
 from pathlib import Path
 
+import torch
+
 from tests.launcher.harness import (STEPS, TRAIN, _port, config_copy, deepspeed_launcher, launch_env,
-                                    launcher_env_by_rank, read_metrics)
+                                    launcher_env_by_rank, layer_states, read_metrics)
 
 HOSTFILE = "node0 slots=2\nnode1 slots=2\n"
 
@@ -71,10 +74,19 @@ def test_per_node_launch_trains_like_one_host_survives_losing_a_node_and_resumes
     assert "Traceback" not in output, output[-4000:]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert (checkpoints / "latest").read_text().strip() == "global_step4"
+    # the save killed half-way stays staged, never under its tag
+    assert not (checkpoints / "global_step8").exists() and (checkpoints / "global_step8.incomplete").exists()
 
-    # both nodes resume from the step-4 checkpoint: steps 5-8 again, exactly
-    for code, out in launch_nodes(config, hostfile, "--checkpoint.load", "latest"):
+    # both nodes resume from the step-4 checkpoint: steps 5-8 again, exactly, to the same weights
+    resumed = launch_nodes(config, hostfile, "--checkpoint.load", "latest")
+    for code, out in resumed:
         assert code == 0, out[-4000:]
+    assert "at step 4" in resumed[0][1], resumed[0][1][-4000:]  # rank 0's start-up line, on node 0
     metrics = read_metrics(tmp_path / "run")
     assert [m["loss"] for m in metrics[-4:]] == [m["loss"] for m in uninterrupted["metrics"][4:]]
+    final = layer_states(checkpoints / "global_step8")
+    expected = layer_states(uninterrupted["out"] / "checkpoints" / "global_step8")
+    assert final.keys() == expected.keys() and len(final) == 14
+    assert all(torch.equal(final[f][k], expected[f][k]) for f in final for k in final[f])
+    assert not (checkpoints / "global_step8.incomplete").exists()  # the resumed save replaced it
     print(f"node 0 ended {ended:.1f} s after node 1 was killed:", *[l for l in output.splitlines() if "error" in l.lower()][:6], sep="\n")

@@ -20,41 +20,9 @@ import torch
 from hybrid3d.checkpoint.resume import ResumePlan
 from hybrid3d.checkpoint.universal import scratch_folder
 from hybrid3d.training.entry import main
-from tests.launcher.harness import (deepspeed_command, demo_config, fault_env, launch_env, layer_states, rank_process,
+from tests.launcher.harness import (deepspeed_command, demo_config, launch_env, layer_states, rank_process,
                                     read_metrics, wait_for)
 from tests.launcher.in_world import run_job
-
-def test_kill_9_during_a_save_loses_nothing(uninterrupted, tmp_path):
-    """Rank 2 is killed -9 while writing the step-8 checkpoint (the step-4 one is complete): the
-    launcher ends every rank, `latest` still names step 4, and resuming reproduces the
-    uninterrupted run exactly (fp32)."""
-    config = demo_config(tmp_path)
-    marker = tmp_path / "in_save"
-    proc = subprocess.Popen(deepspeed_command(4, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=tmp_path, env=fault_env({"kind": "pause_in_save", "rank": 2, "match": "global_step8",
-                                                         "marker": str(marker)}))
-    assert wait_for(marker.exists, proc), proc.communicate()[0][-3000:]
-    rank_process(proc, 2).send_signal(signal.SIGKILL)
-    killed_at = time.time()
-    output, _ = proc.communicate(timeout=120)
-    assert proc.returncode != 0
-    assert time.time() - killed_at < 60, "the launcher did not end the other ranks promptly"
-    checkpoints = tmp_path / "run" / "checkpoints"
-    assert (checkpoints / "latest").read_text() == "global_step4"
-    assert not (checkpoints / "global_step8").exists() and (checkpoints / "global_step8.incomplete").exists()
-
-    resumed = run_job(4, config, "--checkpoint.load", "latest")
-    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "at step 4" in resumed.stdout
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run")]
-    reference = [m["loss"] for m in uninterrupted["metrics"]]
-    assert losses[-4:] == reference[-4:]  # steps 5-8 after the resume
-    final, expected = layer_states(checkpoints / "global_step8"), layer_states(
-        uninterrupted["out"] / "checkpoints" / "global_step8")
-    assert final.keys() == expected.keys()
-    assert all(torch.equal(final[f][k], expected[f][k]) for f in final for k in final[f])
-    assert not (checkpoints / "global_step8.incomplete").exists()
-
 
 def copy_checkpoint(uninterrupted, tmp_path) -> Path:
     target = tmp_path / "checkpoints"
@@ -207,8 +175,8 @@ def test_kill_9_at_every_phase_of_a_commit_loses_nothing(uninterrupted, tmp_path
     or evaluates to its last eval loss (from step 8, with step 4 left half-deleted by the pruning).
 
     The commit runs in a forked child of this process over the uninterrupted run's files, staged as the ranks
-    leave them (`global_step8.incomplete`, `latest` at step 4); a rank killed -9 inside a launched job is
-    test_kill_9_during_a_save_loses_nothing, the launcher's own handling of a dead rank the same test."""
+    leave them (`global_step8.incomplete`, `latest` at step 4); ranks killed -9 inside a launched job (a whole node,
+    one of them in the save of step 8) are test_multinode.py's."""
     from hybrid3d.checkpoint.files import read_meta, write_meta
     from hybrid3d.checkpoint.schema import MANIFEST_KEY
 
@@ -261,8 +229,7 @@ def conversion_killed(plan, into: Path) -> None:
 def test_kill_9_during_the_universal_conversion_is_redone(uninterrupted, tmp_path):
     """The converting process killed -9 after DeepSpeed's converter ran but before the result was marked complete:
     the next evaluation at the other layout converts again and evaluates to the uninterrupted run's last eval loss.
-    The conversion runs in a forked child of this process (a rank killed -9 inside a launched job is
-    test_kill_9_during_a_save_loses_nothing)."""
+    The conversion runs in a forked child of this process (ranks killed -9 inside a launched job: test_multinode.py)."""
     checkpoints = copy_checkpoint(uninterrupted, tmp_path)
     args = ("--tensor_parallel_size", "1", "--pipeline_parallel_size", "2", "--gradient_accumulation_steps", "2",
             "--checkpoint.load", str(checkpoints), "--eval-only")
