@@ -1,7 +1,7 @@
 """Ring attention against DeepSpeed-Ulysses at the same context-parallel size, on one machine: step time, the bytes
 the ring sends (counted at `torch.distributed.batch_isend_irecv`) against `planning.traffic.ring_bytes_per_layer`,
 and the activation bytes autograd holds (`ds_internals.timeline.SavedActivationProbe`) against
-`planning.activations.activation_bytes` (which models Ulysses' attention: SDPA's saved tensors).
+`planning.activations.activation_bytes` of each (Ulysses' SDPA, the ring's blocks).
 
 One spawned world of c ranks runs both configurations `--repeats` times round-robin (built afresh each time), so the
 ratio comes from the same minutes of the same machine; step times are medians over all timed steps. bf16 with fp32
@@ -102,7 +102,8 @@ def modelled(run: dict) -> dict:
     shape = LlamaShape(**SHAPE)
     forward, backward = ring_bytes_per_layer(shape, 1, run["seq"], 1, run["world"], act_bytes=2)
     sent = shape.num_layers * (forward + backward) if run["name"] == "ring" else 0
-    return {"sent": sent, "activations": activation_bytes(shape, 1, run["seq"], 1, 1, 0, 1, cp=run["world"])}
+    return {"sent": sent, "activations": activation_bytes(shape, 1, run["seq"], 1, 1, 0, 1, cp=run["world"],
+                                                          comm=COMMS[run["name"]])}
 
 
 def markdown(rows, env, command, seq, world) -> str:
@@ -111,7 +112,7 @@ def markdown(rows, env, command, seq, world) -> str:
              environment_markdown(env, command), "",
              f"Shape: {json.dumps(SHAPE)}; context_parallel_size {world}, sequence {seq}, micro-batch 1, bf16, ZeRO-1", "",
              "| attention | step (s) | tokens/s | vs Ulysses | ring bytes sent per rank and step (model) "
-             "| saved activations MiB per rank (model of Ulysses' attention) |",
+             "| saved activations MiB per rank (model) |",
              "|---|---|---|---|---|---|"]
     for r in rows:
         ratio = f"{r['tokens_per_s'] / ulysses['tokens_per_s']:.2f}x" if ulysses else "n/a"

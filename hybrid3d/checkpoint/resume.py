@@ -6,7 +6,9 @@ from pathlib import Path
 from typing import Optional
 
 from hybrid3d.checkpoint.files import META_FILE, read_meta
-from hybrid3d.checkpoint.schema import is_module_only, manifest, saved_layout, structure
+from hybrid3d.checkpoint.schema import (is_module_only, manifest, recorded_schedule, saved_layout, saved_schedule,
+                                      structure)
+from hybrid3d.config.sections import BLOCK_COUNT_PARTITION
 from hybrid3d.errors import CheckpointError, ConfigError
 
 
@@ -63,12 +65,14 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
 
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
-                cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1) -> ResumePlan:
+                cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1,
+                partition: str = BLOCK_COUNT_PARTITION) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
     saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
     schedule decides which layers a rank holds (DualPipeV: stages r and 2p-1-r; interleaved: r + k·p), so
-    a checkpoint of another schedule at the same sizes is resharded too; one saved before schedules were
-    recorded is 1F1B."""
+    a checkpoint of another schedule at the same sizes is resharded too, as is one whose layers were cut into
+    stages by another partition method (`hybrid3d.partition_method`); one saved before schedules and methods
+    were recorded is 1F1B with the default method."""
     load_dir, tag = find_checkpoint(load, save_dir)
     meta = read_meta(load_dir / tag)
     if meta is None:
@@ -86,7 +90,7 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
-    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("schedule", "1f1b"),
-                  saved.get("virtual", 1), saved.get("ep", 1))
-    universal = not module_only and written_at != (tp, pp, dp, cp, schedule, virtual, ep)
+    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("ep", 1), saved_schedule(saved))
+    ours = (tp, pp, dp, cp, ep, recorded_schedule(pp, schedule, virtual, partition))
+    universal = not module_only and written_at != ours
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

@@ -4,7 +4,9 @@ and how each is read back. Every writer (the training job, the HF converter, the
 the trainer, the converters) goes through these functions, so the two records cannot drift apart.
 
 hybrid3d.json (written atomically by files.write_meta, readable without unpickling):
-    layout       {tp, pp, dp, cp, ep, schedule, virtual}: the layout the files were written at (`layout_record`)
+    layout       {tp, pp, dp, cp, ep, schedule, virtual, partition[, stage_bounds]}: the layout the files were written
+                 at (`layout_record`): with a pipeline, how its layers were cut (`hybrid3d.partition_method`) and the
+                 bounds that gave (layer-spec indices, every stage of the schedule's)
     shape        the model's LlamaShape as a dict; a resume must match its STRUCTURAL_FIELDS, the rest may change
     hf_config    the full HF config, so the checkpoint exports to HF without its original folder
     module_only  weights only (a converted HF model): a fresh optimizer at step 0, same TP x PP only
@@ -26,6 +28,7 @@ from typing import Optional
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
+from hybrid3d.config.sections import BLOCK_COUNT_PARTITION
 from hybrid3d.model.config import LlamaShape
 
 CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON's section of the same name)
@@ -48,14 +51,28 @@ def config_dict(hf_config) -> dict:
     return json.loads(hf_config.to_json_string(use_diff=False))
 
 
-def recorded_schedule(pp: int, schedule: str, virtual: int) -> dict:
-    """The pipeline schedule as a checkpoint's layout records it (without a pipeline there is none: 1F1B)."""
-    return {"schedule": schedule, "virtual": virtual} if pp > 1 else {"schedule": "1f1b", "virtual": 1}
+def recorded_schedule(pp: int, schedule: str, virtual: int, partition: str = BLOCK_COUNT_PARTITION) -> dict:
+    """The pipeline schedule and partition method as a checkpoint's layout records them (without a pipeline there
+    is neither: 1F1B, and the default method). A checkpoint saved before they were recorded was 1F1B with the
+    default method (`saved_schedule`)."""
+    if pp == 1:
+        return {"schedule": "1f1b", "virtual": 1, "partition": BLOCK_COUNT_PARTITION}
+    return {"schedule": schedule, "virtual": virtual, "partition": partition}
+
+
+def saved_schedule(layout: dict) -> dict:
+    """`recorded_schedule` of a saved layout, older checkpoints' defaults filled in."""
+    return {"schedule": layout.get("schedule", "1f1b"), "virtual": layout.get("virtual", 1),
+            "partition": layout.get("partition", BLOCK_COUNT_PARTITION)}
 
 
 def layout_record(tp: int, pp: int, dp: int = 1, cp: int = 1, ep: int = 1, schedule: str = "1f1b",
-                  virtual: int = 1) -> dict:
-    return {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, **recorded_schedule(pp, schedule, virtual)}
+                  virtual: int = 1, partition: str = BLOCK_COUNT_PARTITION,
+                  stage_bounds: Optional[list] = None) -> dict:
+    record = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, **recorded_schedule(pp, schedule, virtual, partition)}
+    if pp > 1 and stage_bounds is not None:
+        record["stage_bounds"] = [int(b) for b in stage_bounds]
+    return record
 
 
 def tag_record(layout: dict, shape: LlamaShape, hf_config, module_only: bool) -> dict:

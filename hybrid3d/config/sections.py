@@ -103,7 +103,9 @@ class HybridSection:
     # virtual_pipeline_size chunks, stages r, r+p, ...; hybrid3d.ds_internals.interleaved_pipeline).
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
-    # DeepSpeed PipelineModule partition method: 'type:DecoderBlock', 'parameters' or 'uniform'.
+    # How the layers are cut into pipeline stages (PARTITION_METHODS; model/pipe.stage_bounds): decoder blocks
+    # balanced by count, or the layers' training FLOPs balanced, the LM head's included ("cost"), or
+    # DeepSpeed's own 'parameters' and 'uniform'.
     partition_method: str = "type:DecoderBlock"
     # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over
     # data parallel every micro-batch, so that traffic is paid gradient_accumulation_steps times.
@@ -202,7 +204,14 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
         raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
     _check_lora(section)
     _check_context_parallel_comm(section)
+    if section.partition_method not in PARTITION_METHODS:
+        raise ConfigError(f"{SECTION}.partition_method must be one of {', '.join(PARTITION_METHODS)}, "
+                          f"got {section.partition_method!r}")
     return section
+
+
+BLOCK_COUNT_PARTITION, COST_PARTITION = "type:DecoderBlock", "cost"
+PARTITION_METHODS = (BLOCK_COUNT_PARTITION, COST_PARTITION, "parameters", "uniform")
 
 
 CONTEXT_PARALLEL_COMMS = ("a2a", "p2p", "a2a+p2p")

@@ -10,7 +10,7 @@ the process groups and engines a run leaves behind in process_groups.py, the Muo
 `torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
 universal_convert.py, the comms logger's calling functions in comms_callers.py, the engine's optimizer step
 in step_timing.py, TORCH_CUDA_ARCH_LIST spelled for the JIT op builder in op_build_arch.py, the grid's topology (`grid_topology`),
-PipelineModule's stage bounds below), so they are written and tested against one version:
+PipelineModule's stage bounds below and in pipeline_bounds.py), so they are written and tested against one version:
 `check_deepspeed_version()` turns any other into one line at start-up.
 """
 
@@ -41,6 +41,12 @@ def pipeline_stage_layers(module) -> list[tuple[int, int]]:
     them private): one stage, or a DualPipeVModule's two (`phase_bounds`: stages r and 2p-1-r)."""
     bounds = getattr(module, "phase_bounds", [(module._local_start, module._local_stop)])
     return [(int(start), int(stop) - 1) for start, stop in bounds]
+
+
+def pipeline_parts(module) -> list[int]:
+    """The layer-spec bounds of every stage a PipelineModule was cut into (DeepSpeed keeps them as `parts`; a
+    DualPipeVModule's 2p stages, an interleaved module's v·p)."""
+    return [int(b) for b in module.parts]
 
 
 def grid_topology(grid):

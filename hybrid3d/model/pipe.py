@@ -12,9 +12,12 @@ from functools import lru_cache
 from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
+from hybrid3d.config.sections import BLOCK_COUNT_PARTITION, COST_PARTITION
 from hybrid3d.ds_internals.interleaved_pipeline import InterleavedPipelineModule
+from hybrid3d.ds_internals.pipeline_bounds import with_stage_bounds
 from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.flop_counts import block_matmul_parameters, head_matmul_parameters
 from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, seed_layer, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
@@ -23,16 +26,78 @@ from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGr
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
-DEFAULT_PARTITION_METHOD = f"type:{DecoderBlock.__name__}"
+DEFAULT_PARTITION_METHOD = BLOCK_COUNT_PARTITION
+assert DEFAULT_PARTITION_METHOD == f"type:{DecoderBlock.__name__}"
+# Balance the layers' training FLOPs, the head's included (`layer_costs`): Megatron's
+# --account-for-loss-in-pipeline-split, by cost rather than by counting the head as a layer.
+COST_PARTITION_METHOD = COST_PARTITION
+# The methods whose bounds `stage_bounds` gives, so the memory model, the planner and the checkpoint record
+# know them; DeepSpeed's own "parameters" and "uniform" run too, unmodelled (config/ds_checks.py).
+MODELLED_PARTITION_METHODS = (DEFAULT_PARTITION_METHOD, COST_PARTITION_METHOD)
+
+
+def layer_costs(shape: LlamaShape) -> tuple[int, ...]:
+    """Training FLOPs per token of each layer spec, [embedding, L blocks, final norm, head] (a tied head is a
+    second embedding spec): 6 x the weights it multiplies (`flop_counts`; forward 2, backward 4), 0 for the
+    embedding lookup and the norm. Left out: attention's scores (12·h·s per block, the same for every block, so
+    they only lower the head's share at long sequences) and the loss's softmax over V (memory-bound, so it
+    raises the head's real share): bounds that depend on the model only, not on the run's sequence length."""
+    return (0,) + (6 * block_matmul_parameters(shape),) * shape.num_layers + (0, 6 * head_matmul_parameters(shape))
 
 
 @lru_cache(maxsize=256)
-def stage_bounds(num_layers: int, pp: int) -> tuple[int, ...]:
-    """Layer-spec index bounds per stage under DEFAULT_PARTITION_METHOD, from DeepSpeed's own solver:
-    stage s holds specs [bounds[s], bounds[s + 1]). The spec list is [embedding, L blocks, final
-    norm, head] (a tied head is a second embedding spec), so it has L + 3 entries either way."""
+def stage_bounds(shape: LlamaShape, stages: int, method: str = DEFAULT_PARTITION_METHOD) -> tuple[int, ...]:
+    """Layer-spec index bounds per stage: stage s holds specs [bounds[s], bounds[s + 1]) of the L + 3 specs.
+    DEFAULT_PARTITION_METHOD: decoder blocks balanced by count, from DeepSpeed's own solver (as PipelineModule
+    runs it); COST_PARTITION_METHOD: `layer_costs` balanced, every stage with at least one decoder block
+    (`balanced_bounds`)."""
+    if method == DEFAULT_PARTITION_METHOD:
+        return block_count_bounds(shape.num_layers, stages)
+    if method == COST_PARTITION_METHOD:
+        return balanced_bounds(layer_costs(shape), stages)
+    raise ValueError(f"partition method {method!r} has no modelled bounds (one of {MODELLED_PARTITION_METHODS})")
+
+
+@lru_cache(maxsize=256)
+def block_count_bounds(num_layers: int, stages: int) -> tuple[int, ...]:
+    """DeepSpeed's `type:DecoderBlock` bounds: weights 1 per block, 0 for the embedding, norm and head."""
     weights = [0] + [1] * num_layers + [0, 0]
-    return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=pp))
+    return tuple(int(x) for x in partition_balanced(weights=weights, num_parts=stages))
+
+
+def balanced_bounds(costs: tuple[int, ...], stages: int) -> tuple[int, ...]:
+    """Contiguous bounds over specs [embedding, blocks..., norm, head] minimising the costliest stage, each
+    stage holding at least one decoder block (specs 1..L), ties to the earliest cut: dynamic programming over
+    (stages, last spec), O(stages · n²) for n specs."""
+    n, blocks = len(costs), len(costs) - 3
+    if not 1 <= stages <= blocks:
+        raise LayoutError(f"{stages} pipeline stages need as many decoder blocks; the model has {blocks}")
+    prefix = [0]
+    for cost in costs:
+        prefix.append(prefix[-1] + cost)
+    inf = float("inf")
+    # best[k][i]: the least bottleneck cutting specs [0, i) into k stages; cut[k][i]: where the k-th stage starts
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0
+    for k in range(1, stages + 1):
+        for i in range(1, n + 1):
+            for j in range(k - 1, i):
+                if not _holds_a_block(j, i, blocks) or best[k - 1][j] == inf:
+                    continue
+                bottleneck = max(best[k - 1][j], prefix[i] - prefix[j])
+                if bottleneck < best[k][i]:
+                    best[k][i], cut[k][i] = bottleneck, j
+    bounds, i = [n], n
+    for k in range(stages, 0, -1):
+        i = cut[k][i]
+        bounds.append(i)
+    return tuple(reversed(bounds))
+
+
+def _holds_a_block(start: int, stop: int, blocks: int) -> bool:
+    """Whether specs [start, stop) include one of the decoder blocks 1..blocks."""
+    return max(start, 1) < min(stop, blocks + 1)
 
 
 def check_schedule_stages(shape: LlamaShape, pp: int, schedule: str, virtual: int = 1) -> None:
@@ -76,7 +141,11 @@ def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorP
     InterleavedPipelineModule of `virtual` chunks per rank (v·p stages). `seed_layers` makes the initial
     weights independent of the partitioning (layer i is drawn after seeding `seed + i`)."""
     module_cls = {"dualpipev": DualPipeVModule, "1f1b": PipelineModule,
-                  "interleaved": functools.partial(InterleavedPipelineModule, virtual_stages=virtual)}[schedule]
+                  "interleaved": InterleavedPipelineModule}[schedule]
+    kwargs = {"virtual_stages": virtual} if schedule == "interleaved" else {}
+    if partition_method == COST_PARTITION_METHOD:  # DeepSpeed has no such method: the bounds are handed to it
+        module_cls = with_stage_bounds(module_cls)
+        kwargs["stage_bounds"] = functools.partial(stage_bounds, shape, method=partition_method)
     return module_cls(
         layers=pipeline_layer_specs(shape, tp, cp, ep),
         topology=layout.topology(),
@@ -85,6 +154,7 @@ def build_pipeline_module(shape: LlamaShape, layout: ParallelLayout, tp: TensorP
         seed_fn=_seed_layer,
         base_seed=seed,
         partition_method=partition_method,
+        **kwargs,
         # Only decoder blocks are checkpointed: the embedding's integer input cannot carry a
         # gradient through reentrant checkpointing, and every block has the same input shape,
         # which `contiguous_memory_optimization` requires.

@@ -17,7 +17,9 @@ scalars). Per decoder block, bf16 (2 bytes) unless marked fp32:
 - attention: Q 2·s_c·b·a·d_h/t, K and V 2·2·s_c·b·k_c·d_h, the fused SDPA kernel's output 2·s_c·b·a·d_h/t
   (also the o_proj input without CP; with CP o_proj saves the exchange's output, a second copy) and fp32
   log-sum-exp 4·a·s·b/(t·c) (Korthikanti's "selective recomputation", §4.2: no s² scores), or an unfused
-  softmax 2·a·s²·b/(t·c) (not measured here); RoPE's cos and sin tables 2·2·s·d_h (2·2·b·s·d_h with documents);
+  softmax 2·a·s²·b/(t·c) (not measured here); RoPE's cos and sin: the (s, d_h) tables 2·2·s·d_h, shared by every
+  layer and micro-batch of a rank (`model/rope.py`), so counted once per rank; with documents each block gathers
+  its tokens' rows instead, 2·2·b·s·d_h per block;
 - SwiGLU: gate, up, silu(gate) and the down_proj input, 4·2·s_c·b·f/t.
 
 Context parallelism (CP; DeepSpeed-Ulysses, Jacobs et al. 2023, §3) gives every per-token term s -> s_c;
@@ -29,13 +31,13 @@ divides k_t), and attention keeps s·(k_c/c)·d_h = s_c·k_c·d_h per tensor.
 Ring attention (`context_parallel_comm` "p2p", `parallel/ring_attention.py`; "a2a+p2p": Ulysses over u
 consecutive CP ranks around a ring over the c/u others) keeps the same tensors (measured: benchmarks/results/
 2026-12-04-vm/ring_vs_ulysses.md): its autograd function saves q, k, v of the rank's positions, its output and
-the fp32 log-sum-exp of a/(t·u) heads over u·s/c positions, 4·a·s·b/(t·c) as above. RoPE: it gathers the tables
-at its u·s/c positions, while the (s, d_h) tables stay cached in the layer (`RotaryFrequencies`), the 4·s·d_h
-counted. Only the kv heads differ: the ring sends them as they are, so p2p keeps k_c = k_t and a2a+p2p repeats
+the fp32 log-sum-exp of a/(t·u) heads over u·s/c positions, 4·a·s·b/(t·c) as above. RoPE: each block gathers the
+shared tables' rows at its u·s/c positions (times b with documents), 2·2·(u·s/c)·d_h, and keeps those only. Only the kv heads differ: the ring sends them as they are, so p2p keeps k_c = k_t and a2a+p2p repeats
 them only as Ulysses over u needs; in every case k_c = `cp_kv_heads`, the kv heads of Ulysses over u =
 `ulysses_size` ranks (u = c for a2a, 1 for p2p). Its blocks always run the fused kernel, build their masks per
-block (no shared mask is kept, K and V are never repeated to the query heads) and are not saved; a mask's (b, s)
-document ids, kept per layer, are left out (8·b·s bytes).
+block (no shared mask is kept, K and V are never repeated to the query heads) and are not saved; each block saves
+the int64 table of its ring's positions, (c/u)·(u·s/c)·8 = 8·s bytes; a mask's (b, s) document ids, kept per
+layer outside autograd, are left out (8·b·s bytes).
 
 Masked attention (`masks.attention_bias`: a sliding window shorter than s, or packed documents masked from each
 other): SDPA takes an additive mask in the compute dtype, which every layer of a rank shares, so it is counted
@@ -132,10 +134,11 @@ def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_
     """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
     norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
     2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
-    unfused + RoPE tables 4·s·d_h. K and V count the heads a rank computes with (`kv_heads_per_rank`):
+    unfused + the RoPE rows it gathers (`gathered_rope_bytes`; the shared tables are counted once per rank by
+    `activation_bytes`). K and V count the heads a rank computes with (`kv_heads_per_rank`):
     with t > kv heads the weights are replicated, but each rank keeps only the one head it uses. With a `mask`
     (`attention_mask_kind`) they are repeated to the query heads (2 x Q's bytes), and with documents RoPE's
-    tables are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`.
+    rows are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`.
     `comm`, `cp_a2a`: context_parallel_comm and context_parallel_a2a_size; a ring (`uses_ring`) keeps k_c =
     `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring)."""
     h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
@@ -148,8 +151,28 @@ def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_
     swiglu = 4 * 2 * s_c * b * f / t
     fused = flash_attention or ring  # the ring's blocks: torch's fused kernel, which returns the log-sum-exp
     core = 4 * a * s * b / (t * cp) if fused else 2 * a * s * s * b / (t * cp)
-    rope = 2 * 2 * s * d * (b if mask == "documents" else 1)
-    return norms + q + kv + out + swiglu + core + rope
+    table = 8 * s if ring else 0  # the ring's int64 (c/u, u·s/c) table of every member's positions, per block
+    return norms + q + kv + out + swiglu + core + table + gathered_rope_bytes(shape, b, s, cp, mask, comm, cp_a2a)
+
+
+def gathered_rope_bytes(shape: LlamaShape, b: int, s: int, cp: int = 1, mask: Optional[str] = None,
+                        comm: str = "a2a", cp_a2a: int = 1) -> float:
+    """RoPE's cos and sin a block keeps of its own, 2·2·n·d_h for the n rows it gathers from the shared tables:
+    each token's position in its document (n = b·s), a ring rank's positions (n = u·s/c, times b with documents),
+    none otherwise (the block keeps the shared tables themselves: `shared_rope_bytes`)."""
+    rows = b if mask == "documents" else 0
+    if uses_ring(cp, comm):
+        rows = max(rows, 1) * ulysses_size(cp, comm, cp_a2a) * s // cp
+    else:
+        rows *= s
+    return 2 * 2 * rows * shape.head_dim
+
+
+def shared_rope_bytes(shape: LlamaShape, s: int, cp: int = 1, mask: Optional[str] = None, comm: str = "a2a") -> float:
+    """RoPE's (s, d_h) cos and sin tables, 2·2·s·d_h once per rank (`model/rope.RotaryFrequencies`: every layer
+    and micro-batch shares them), as the blocks that multiply by them whole keep them; blocks gathering rows
+    (`gathered_rope_bytes`) keep only those."""
+    return 0 if mask == "documents" or uses_ring(cp, comm) else 2 * 2 * s * shape.head_dim
 
 
 def input_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, cp: int = 1) -> float:
@@ -194,7 +217,7 @@ def _orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[PassOp, ...], 
 @lru_cache(maxsize=4096)  # the planner's searches ask for the same stages thousands of times
 def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
     """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p)."""
-    bounds = stage_bounds(shape.num_layers, pp)
+    bounds = stage_bounds(shape, pp)
     return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
 
 
@@ -215,7 +238,8 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
     mask = attention_mask_kind(shape, s, document_mask)
     per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm, cp_a2a)
     shared = not uses_ring(cp, comm)  # a ring builds each block's mask when it runs it
-    window_mask = 2 * s * s if mask == "window" and shared else 0  # one per rank: (s, s) bf16
+    # once per rank: the (s, s) bf16 window mask and RoPE's shared tables
+    per_rank = (2 * s * s if mask == "window" and shared else 0) + shared_rope_bytes(shape, s, cp, mask, comm)
     document_masks = 2 * b * s * s if mask == "documents" and shared else 0  # one per micro-batch: (b, 1, s, s) bf16
     kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
     if checkpointing:
@@ -231,8 +255,8 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
         return layers * kept + (shared_per_micro_batch if layers else 0) + extra
 
     if schedule == "1f1b":
-        return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute + window_mask
+        return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute + per_rank
     check_schedule_stages(shape, pp, schedule, virtual)
     stages = num_stages(schedule, pp, virtual)
     weights = {sigma: stage_bytes(sigma, stages) for sigma in rank_stages(schedule, pp, stage, virtual)}
-    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute + window_mask
+    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute + per_rank

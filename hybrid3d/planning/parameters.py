@@ -56,7 +56,7 @@ def rank_parameter_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedul
 
 def _rank_specs(specs: list, shape: LlamaShape, pp: int, rank: int, schedule: str, v: int) -> list:
     """The entries of `specs` (one per pipeline layer spec) that pipeline rank `rank` builds, in its order."""
-    bounds = stage_bounds(shape.num_layers, num_stages(schedule, pp, v))
+    bounds = stage_bounds(shape, num_stages(schedule, pp, v))
     return [spec for stage in rank_stages(schedule, pp, rank, v) for spec in specs[bounds[stage]:bounds[stage + 1]]]
 
 

@@ -17,9 +17,10 @@ from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives, weights_
 from hybrid3d.checkpoint.universal import convert_to_universal, scratch_folder
 from hybrid3d.data import DataCursor, build_training_data, micro_batches
 from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
-from hybrid3d.ds_internals import pipeline_stage_layers
+from hybrid3d.ds_internals import pipeline_parts, pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
+from hybrid3d.model.pipe import layer_costs
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
 from hybrid3d.parallel.world import process_group_timeout, start_world
 from hybrid3d.parallel.placement import gather_placement, placement_lines
@@ -76,12 +77,16 @@ def schedule_note(pp: int, hybrid) -> str:
 
 
 def layout_summary(trainer) -> list[str]:
-    """One line per pipeline stage: its layers and parameters (per TP rank)."""
+    """One line per pipeline stage: its layers, their share of the model's training FLOPs (`pipe.layer_costs`,
+    what the "cost" partition method balances) and parameters (per TP rank)."""
     module = trainer.module
     ranges = pipeline_stage_layers(module) if trainer.uses_pipeline else [(0, len(module.layers) - 1)]
     layers = " and ".join(f"{first}-{last}" for first, last in ranges)  # DualPipeV: stages r and 2p-1-r
+    costs = layer_costs(trainer.shape)  # one per layer spec; a single stage holds them all (a tied head included)
+    share = sum(sum(costs[first:last + 1]) for first, last in ranges) / sum(costs) if trainer.uses_pipeline else 1
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
-                 dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank, layers=layers,
+                 dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank,
+                 layers=f"{layers} ({share:.0%} of the FLOPs)",
                  params=sum(p.numel() for p in module.parameters()),
                  trained=sum(p.numel() for p in module.parameters() if p.requires_grad))
     everyone = [None] * dist.get_world_size()
@@ -237,8 +242,10 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     peak = hybrid.train.peak_tflops or peak_tflops()
     logger = MetricsLogger(str(output_dir), hybrid.train.steps, batch * seq, dist.get_world_size(), flops, peak,
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
+    bounds = pipeline_parts(trainer.module) if trainer.uses_pipeline else None
     meta = tag_record(layout_record(layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, hybrid.pipeline_schedule,
-                                    hybrid.virtual_pipeline_size), job.shape, source.hf_config, module_only=False)
+                                    hybrid.virtual_pipeline_size, hybrid.partition_method, bounds),
+                      job.shape, source.hf_config, module_only=False)
     saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0)
     # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.
     cursor = DataCursor(int(client.get("samples_consumed", step * batch)))

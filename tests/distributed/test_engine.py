@@ -12,7 +12,7 @@ from tests.distributed.worlds import run_worlds_by_size
 from tests.distributed.engine_runs import MICRO_BATCH, OPTIM, SEQ, STEPS, hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.numerics import BF16_LOSS_GAP, BF16_UPDATE_EXCESS, loss_gap, loss_movement, update_excess
-from tests.tiny_llama import load_hf, make_training_models, max_rel_error
+from tests.tiny_llama import load_hf, make_hf_llama, make_training_models, max_rel_error
 from tests.distributed.reports import merged_weights
 
 FIRST_LOSS_TOL = 1e-5
@@ -139,7 +139,22 @@ INTERLEAVED_RUNS = [
          hybrid=dict(INTERLEAVED, context_parallel_size=2), extra={"pipeline": {"activation_checkpoint_interval": 1}}),
 ]
 
-ALL_RUNS = matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS + INTERLEAVED_RUNS
+# `partition_method: "cost"` (stages balanced by training FLOPs, the head's included: model/pipe.stage_bounds) on
+# "wide", the gqa model with a 1024-token vocabulary, whose LM head costs 3.6 decoder blocks: at PP2 the first
+# stage takes 3 of the 4 blocks (count-balanced: 2 and 2). With the interleaved and DualPipeV schedules (4 stages
+# of one block either way) the bounds reach DeepSpeed's other module classes (ds_internals/pipeline_bounds.py).
+COST = {"partition_method": "cost"}
+COST_RUNS = [
+    dict(name="cost-TP1-PP2-Z1", case="wide", tp=1, pp=2, zero=1, world=2, hybrid=COST, blocks=[3, 1]),
+    dict(name="cost-TP2-PP2-Z0", case="wide", tp=2, pp=2, zero=0, world=4, hybrid=COST, blocks=[3, 1]),
+    dict(name="cost-Interleaved-PP2", case="wide", tp=1, pp=2, zero=1, world=2, hybrid=dict(INTERLEAVED, **COST),
+         blocks=[2, 2]),
+    dict(name="cost-DualPipeV-PP2", case="wide", tp=1, pp=2, zero=1, world=2, hybrid=dict(DUALPIPEV, **COST),
+         blocks=[2, 2]),
+]
+
+ALL_RUNS = (matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS + INTERLEAVED_RUNS
+            + COST_RUNS)
 # The bf16 runs and their fp32 twins in a world of their own, so the bf16 tests can run alone
 # (under other CPU kernels: test_cpu_kernels.py) without the whole matrix.
 BF16_WORLD = BF16_RUNS + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS
@@ -148,6 +163,9 @@ BF16_WORLD = BF16_RUNS + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS
 
 def train_worlds(root, all_runs) -> dict:
     model_dirs = make_training_models(root)
+    if any(run["case"] == "wide" for run in all_runs):
+        model_dirs["wide"] = str(root / "wide")
+        make_hf_llama(model_dirs["wide"], "gqa_llama3", num_hidden_layers=4, vocab_size=1024)
     refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
     for case, d in model_dirs.items():
         refs[case]["initial"] = {n: p.detach().clone() for n, p in load_hf(d).named_parameters()}
@@ -306,3 +324,11 @@ def test_activation_checkpointing_takes_effect(results, run):
         assert flags["cpu"] == extra.get("cpu_checkpointing", False)
         assert flags["synchronize"] == extra.get("synchronize_checkpoint_boundary", False)
         assert flags["profile"] == extra.get("profile", False)
+
+
+@pytest.mark.parametrize("run", COST_RUNS, ids=lambda r: r["name"])
+def test_cost_balanced_stages_match_hf_over_five_steps(results, run):
+    """The "cost" partition: each rank holds the blocks `stage_bounds` gives it, and trains exactly like HF."""
+    reports = results["runs"][run["name"]]
+    assert [r["blocks_on_rank"] for r in sorted(reports, key=lambda r: r["stage"])][::run["tp"]] == run["blocks"]
+    assert_losses_and_weights_match(results["ref"][run["case"]], reports, run)

@@ -21,12 +21,15 @@ RUNS = [dict(name="TP1-DP2", tp=1, cp=1, sp=False), dict(name="TP2", tp=2, cp=1,
         dict(name="TP2+SP", tp=2, cp=1, sp=True), dict(name="CP2", tp=1, cp=2, sp=False),
         # masked attention: one shared mask, kv heads repeated (and RoPE's tables per token with documents)
         dict(name="TP2-window", tp=2, cp=1, sp=False, window=16), dict(name="TP2-documents", tp=2, cp=1, sp=False,
-                                                                       documents=True)]
+                                                                       documents=True),
+        # ring attention: kv heads as they are, RoPE rows gathered per block, no shared mask
+        dict(name="ring-CP2", tp=1, cp=2, sp=False, comm="p2p"),
+        dict(name="ring-CP2-documents", tp=1, cp=2, sp=False, comm="p2p", documents=True)]
 # callers (the functions that issue the collective) by parallelism
 TP_CALLERS = {"_all_reduce", "backward", "all_gather_sequence", "reduce_scatter_sequence"}
 CP_CALLERS = {"single_all_to_all", "sequence_mean"}
 DP_CALLERS = {"allreduce_bucket", "all_gather_into_tensor_dp_groups"}
-ACTIVATION_TOL = 0.02  # measured: within 30 bytes of ~0.4-0.8 MB (saved scalars the model leaves out)
+ACTIVATION_TOL = 64  # bytes: measured within 28 bytes of 0.4-0.8 MB (saved scalars the model leaves out)
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +49,10 @@ def by_op(comms: dict, callers: set) -> dict:
 def test_saved_activation_bytes_match_the_memory_model(measured, run):
     shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
     model = activation_bytes(shape, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1, sequence_parallel=run["sp"], cp=run["cp"],
-                             document_mask=run.get("documents", False))
+                             document_mask=run.get("documents", False), comm=run.get("comm", "a2a"))
     got = measured[run["name"]]["activations"]
-    assert abs(got - model) <= ACTIVATION_TOL * model, (got, model)
+    print(f"{run['name']}: measured {got:,} bytes, modelled {model:,.0f}")
+    assert abs(got - model) <= ACTIVATION_TOL, (got, model)
 
 
 def test_sp_and_cp_shrink_activations_as_modelled(measured):
@@ -61,8 +65,9 @@ def test_sp_and_cp_shrink_activations_as_modelled(measured):
     sp_ratio = measured["TP2+SP"]["activations"] / measured["TP2"]["activations"]
     cp_ratio = measured["CP2"]["activations"] / measured["TP1-DP2"]["activations"]
     assert sp_ratio < 0.75 and cp_ratio < 0.6
-    assert sp_ratio == pytest.approx(model(2, True, 1) / model(2, False, 1), rel=ACTIVATION_TOL)
-    assert cp_ratio == pytest.approx(model(1, False, 2) / model(1, False, 1), rel=ACTIVATION_TOL)
+    # the byte bound above, relative: ~1e-4 of these 0.4-0.8 MB
+    assert sp_ratio == pytest.approx(model(2, True, 1) / model(2, False, 1), rel=3e-4)
+    assert cp_ratio == pytest.approx(model(1, False, 2) / model(1, False, 1), rel=3e-4)
 
 
 @pytest.mark.parametrize("run", [r for r in RUNS if r["tp"] > 1], ids=lambda r: r["name"])

@@ -95,12 +95,16 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
     # the same sizes under another schedule hold other layers per rank: resharded too
     (4, ["--pipeline_schedule", "interleaved", "--virtual_pipeline_size", "2"]),
     (4, ["--pipeline_schedule", "dualpipev"]),
-], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev"])
+    # the same layout with its stages cut by training FLOPs: the demo's head (2.8 blocks) moves a block to stage 0
+    (4, ["--partition_method", "cost"]),
+], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev", "TP2-PP2-cost"])
 def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
     result = run_job(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
                     str(uninterrupted["out"] / "checkpoints"), "--eval-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in result.stdout
+    if "cost" in overrides:
+        assert "stage 0: layers 0-3 (" in result.stdout, result.stdout  # the embedding and 3 blocks, not 2
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     reference = uninterrupted["metrics"][-1]["eval_loss"]
     assert math.isclose(eval_loss, reference, rel_tol=1e-5), (eval_loss, reference)

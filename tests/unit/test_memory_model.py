@@ -92,22 +92,22 @@ def test_peak_lookup():
 def test_activation_model():
     """Per block, the terms the saved-tensor count found (activations.py docstring; measured in
     tests/distributed/test_sequence_parallel.py), for b 2, s 512, t 2, h 1024, a = kv 16, d 64, f 4096:
-    norms 16sbh + 8sb, Q and attention output 2sbh/t each, K and V 4sbh/t, SwiGLU 8sbf/t, RoPE tables 4sd,
-    fused core 4asb/t, unfused 2as²b/t."""
+    norms 16sbh + 8sb, Q and attention output 2sbh/t each, K and V 4sbh/t, SwiGLU 8sbf/t, fused core 4asb/t,
+    unfused 2as²b/t; RoPE's tables 4sd once per rank (every layer and micro-batch shares them)."""
     shape = LlamaShape(vocab_size=1000, hidden_size=1024, intermediate_size=4096, num_layers=8, num_heads=16,
                        num_kv_heads=16, head_dim=64)
     b, s, t = 2, 512, 2
     h, a, d, f = 1024, 16, 64, 4096
-    rest = 16 * s * b * h + 8 * s * b + 2 * 2 * s * b * h / t + 4 * s * b * h / t + 8 * s * b * f / t + 4 * s * d
+    rest = 16 * s * b * h + 8 * s * b + 2 * 2 * s * b * h / t + 4 * s * b * h / t + 8 * s * b * f / t
     assert activation_bytes_per_layer(shape, b, s, t) == pytest.approx(rest + 4 * a * s * b / t)
     assert activation_bytes_per_layer(shape, b, s, t, flash_attention=False) == pytest.approx(rest + 2 * a * s * s * b / t)
     # 1F1B: the first stage holds p micro-batches, so pipeline stages store L layers' worth in total.
     assert [in_flight_micro_batches(4, st, 8) for st in range(4)] == [4, 3, 2, 1]
     ids = 8 * s * b  # the first stage's int64 token ids
     full = activation_bytes(shape, b, s, 1, 4, 0, gas=8)
-    assert full == pytest.approx(4 * (2 * activation_bytes_per_layer(shape, b, s, 1) + ids))
+    assert full == pytest.approx(4 * (2 * activation_bytes_per_layer(shape, b, s, 1) + ids) + 4 * s * d)
     ckpt = activation_bytes(shape, b, s, 1, 4, 0, gas=8, checkpointing=True)
-    assert ckpt == pytest.approx(4 * (2 * 2 * s * b * h + ids) + activation_bytes_per_layer(shape, b, s, 1))
+    assert ckpt == pytest.approx(4 * (2 * 2 * s * b * h + ids) + activation_bytes_per_layer(shape, b, s, 1) + 4 * s * d)
 
 
 # A small GQA shape for the SP/CP hand counts: h 64, a 4, kv 2, head dim 16, f 128, 2 layers, V 256.
@@ -117,9 +117,10 @@ G = LlamaShape(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers
 
 def test_sequence_parallel_divides_the_norm_term_by_t():
     """b 2, s 32, t 2 (one kv head per rank): norms 16sbh + 8sb = 66048; Q, attention output 2sbh/t = 4096
-    each; K, V 2·2·s·b·1·16 = 4096; SwiGLU 4·2·s·b·f/t = 32768; fused core 4·a·s·b/t = 512; RoPE 4·s·16 = 2048."""
+    each; K, V 2·2·s·b·1·16 = 4096; SwiGLU 4·2·s·b·f/t = 32768; fused core 4·a·s·b/t = 512; RoPE's shared
+    tables 4·s·16 = 2048 once per rank."""
     b, s, t = 2, 32, 2
-    sharded = 3 * 4096 + 32768 + 512 + 2048
+    sharded = 3 * 4096 + 32768 + 512
     assert activation_bytes_per_layer(G, b, s, t) == 66048 + sharded
     assert activation_bytes_per_layer(G, b, s, t, sequence_parallel=True) == 66048 / 2 + sharded
     # Last stage: final norm 8sbh + 4sb = 33024 (/t with SP), fp32 softmax 4sbV/t = 32768 + 2 masks 128,
@@ -130,7 +131,7 @@ def test_sequence_parallel_divides_the_norm_term_by_t():
     # the single stage also holds the ids (8sb = 512) and the embedding's mask (64).
     per_layer = activation_bytes_per_layer(G, b, s, t, sequence_parallel=True)
     ckpt = activation_bytes(G, b, s, t, 1, 0, 1, checkpointing=True, sequence_parallel=True)
-    assert ckpt == 2 * 4096 + (16512 + 32768 + 128 + 512) + 576 + per_layer
+    assert ckpt == 2 * 4096 + (16512 + 32768 + 128 + 512) + 576 + per_layer + 2048
     with pytest.raises(ValueError, match="exclude"):
         activation_bytes(G, b, s, t, 1, 0, 1, checkpointing=True, partition_activations=True, sequence_parallel=True)
     with pytest.raises(ValueError, match="t > 1"):
@@ -142,22 +143,22 @@ def test_sequence_parallel_divides_the_norm_term_by_t():
 def test_context_parallel_halves_per_token_terms_not_the_square():
     """t 1, c 2, b 2, s 32, unfused core: every per-token term is counted over s/c = 16 tokens; the
     softmax 2·a·s²·b/(t·c) runs over the whole sequence with a/c heads, so it halves too (16384 -> 8192),
-    where s_c² would have quartered it (4096). The RoPE tables (4·s·16 = 2048) cover the whole sequence."""
+    where s_c² would have quartered it (4096). RoPE's shared tables cover the whole sequence, once per rank."""
     b, s = 2, 32
     # c = 1: norms 66048, Q 8192, K and V (2 kv heads) 2·2·s·b·2·16 = 8192, output 8192, SwiGLU 65536,
-    # softmax 2·4·32²·2 = 16384, RoPE 2048.
-    assert activation_bytes_per_layer(G, b, s, 1, flash_attention=False) == 66048 + 3 * 8192 + 65536 + 16384 + 2048
+    # softmax 2·4·32²·2 = 16384.
+    assert activation_bytes_per_layer(G, b, s, 1, flash_attention=False) == 66048 + 3 * 8192 + 65536 + 16384
     # c = 2 (c divides the 2 kv heads: one each): norms 33024, Q 4096, K and V 4096, the output twice (the
-    # core's, and o_proj's input from the exchange) 8192, SwiGLU 32768, softmax 8192, RoPE 2048.
-    halved = 33024 + 4096 + 4096 + 8192 + 32768 + 2048
+    # core's, and o_proj's input from the exchange) 8192, SwiGLU 32768, softmax 8192.
+    halved = 33024 + 4096 + 4096 + 8192 + 32768
     assert activation_bytes_per_layer(G, b, s, 1, flash_attention=False, cp=2) == halved + 8192
     # fused: log-sum-exp 4·a·s·b/(t·c) = 512 at c = 2
     assert activation_bytes_per_layer(G, b, s, 1, cp=2) == halved + 512
     # GQA repetition: t 2 leaves one kv head per rank; c 2 repeats it so each CP rank gets one, so K and V
     # stay 2·2·(s/c)·b·2·16 = 4096, as at c = 1 (2·2·s·b·1·16); the rest halves.
-    assert activation_bytes_per_layer(G, b, s, 2, cp=2) == 33024 + 2048 + 4096 + 4096 + 16384 + 256 + 2048
+    assert activation_bytes_per_layer(G, b, s, 2, cp=2) == 33024 + 2048 + 4096 + 4096 + 16384 + 256
     with_sp = activation_bytes_per_layer(G, b, s, 2, cp=2, sequence_parallel=True)
-    assert with_sp == 16512 + 2048 + 4096 + 4096 + 16384 + 256 + 2048
+    assert with_sp == 16512 + 2048 + 4096 + 4096 + 16384 + 256
     # Output layer at t 1, c 2: final norm 8·16·2·64 + 4·16·2, log-softmax 4·16·2·256, targets 8·16·2.
     assert output_layer_activation_bytes(G, b, s, 1, cp=2) == 16512 + 32768 + 256
     with pytest.raises(ValueError, match="context_parallel_size"):
@@ -169,8 +170,8 @@ def test_replicated_kv_heads_keep_the_one_head_a_rank_uses():
     kv head, so K and V are 2·2·s·b·16 = 2048 (b 1, s 32), not the 2·2·s·b·32 of both replicated heads."""
     b, s, t = 1, 32, 4
     norms, q, out = 16 * 32 * 64 + 8 * 32, 2 * 32 * 64 // 4, 2 * 32 * 64 // 4
-    swiglu, core, rope = 8 * 32 * 128 // 4, 4 * 4 * 32 // 4, 4 * 32 * 16
-    assert activation_bytes_per_layer(G, b, s, t) == norms + q + 2048 + out + swiglu + core + rope == 47488
+    swiglu, core = 8 * 32 * 128 // 4, 4 * 4 * 32 // 4
+    assert activation_bytes_per_layer(G, b, s, t) == norms + q + 2048 + out + swiglu + core == 45440
 
 
 def test_zero_partitions_over_the_sequence_data_parallel_group():

@@ -106,16 +106,23 @@ def test_hybrid_step_time_by_hand(llama3_8b):
 def test_ring_keeps_kv_heads_unrepeated(llama3_8b):
     """Llama 3 8B at t 8 has 1 kv head per TP rank. Per layer, b 1, s 8192, c 4 (s_c 2048), bf16: norms
     16·2048·4096 + 8·2048, q 2·2048·32·128/8, output twice q, SwiGLU 8·2048·14336/8, fp32 log-sum-exp
-    4·32·8192/(8·4), RoPE tables 4·8192·128; K and V 2·2·2048·k·128 with k = 1 for the ring (sent as it is),
-    4 for Ulysses over c = 4 (repeated so each rank gets one), 2 for Ulysses over u = 2 inside a2a+p2p."""
+    4·32·8192/(8·4); K and V 2·2·2048·k·128 with k = 1 for the ring (sent as it is), 4 for Ulysses over c = 4
+    (repeated so each rank gets one), 2 for Ulysses over u = 2 inside a2a+p2p. RoPE: Ulysses' blocks multiply by
+    the rank's shared (s, d_h) tables (counted once per rank, not here); a ring's blocks gather their rows at
+    their u·s/c positions, 2·2·(u·2048)·128, and save the int64 table of the ring's positions, 8·8192."""
     rest = (16 * 2048 * 4096 + 8 * 2048) + 2 * 2048 * 32 * 128 // 8 * 3 + 8 * 2048 * 14336 // 8 \
-        + 4 * 32 * 8192 // 32 + 4 * 8192 * 128
+        + 4 * 32 * 8192 // 32
     kv = 2 * 2 * 2048 * 128  # per kv head
-    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, comm="p2p") == rest + kv == 175_161_344
+    rope_rows = 2 * 2 * 2048 * 128  # per Ulysses rank of a ring member
+    table = 8 * 8192
+    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, comm="p2p") == rest + kv + rope_rows + table \
+        == 172_081_152
     assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4) == rest + 4 * kv
-    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, comm="a2a+p2p", cp_a2a=2) == rest + 2 * kv
+    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, comm="a2a+p2p", cp_a2a=2) \
+        == rest + 2 * kv + 2 * rope_rows + table
     # with a mask Ulysses' core repeats K and V to the query heads; the ring's blocks do not keep them repeated
-    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, mask="window", comm="p2p") == rest + kv
+    assert activation_bytes_per_layer(llama3_8b, 1, 8192, 8, cp=4, mask="window", comm="p2p") \
+        == rest + kv + rope_rows + table
 
 
 def test_cli_prints_ring_rows_and_the_note(capsys):

@@ -1,4 +1,4 @@
-"""RoPE's inverse frequencies move with the module but never change dtype."""
+"""RoPE's inverse frequencies move with the module but never change dtype; its tables are shared by the layers."""
 
 import torch
 
@@ -20,14 +20,19 @@ def test_inverse_frequencies_stay_fp32_and_follow_the_device():
     assert module[0].inv_freq.device.type == "meta" and module[0].inv_freq.dtype == torch.float32
 
 
-def test_cos_sin_tables_are_cached_per_length_device_and_dtype():
-    rotary = RotaryFrequencies(16, 10000.0)
+def test_cos_sin_tables_are_shared_per_length_device_and_dtype():
+    """Every layer with the same frequencies gets the same tables (a rank keeps one copy, not one per layer), per
+    sequence length, device and dtype; other frequencies get their own."""
+    rotary, other_layer = RotaryFrequencies(16, 10000.0), RotaryFrequencies(16, 10000.0)
     cos, sin = rotary.cos_sin(8, "cpu", torch.float32)
     expected = rope_cos_sin(rotary.inv_freq, 8, "cpu", torch.float32)
     assert torch.equal(cos, expected[0]) and torch.equal(sin, expected[1])
     assert rotary.cos_sin(8, "cpu", torch.float32)[0] is cos  # the same tables, not recomputed
+    assert other_layer.cos_sin(8, "cpu", torch.float32)[0] is cos  # and not another layer's copy
     assert rotary.cos_sin(8, "cpu", torch.bfloat16)[0].dtype == torch.bfloat16
     longer = rotary.cos_sin(12, "cpu", torch.float32)[0]
     assert longer.shape == (12, 16) and torch.equal(longer[:8], cos)
-    rotary.to(torch.float64)  # moving or casting the module drops the tables
-    assert rotary._tables is None
+    scaled = RotaryFrequencies(16, 10000.0, dict(LLAMA3, original_max_position_embeddings=4)).cos_sin(8, "cpu",
+                                                                                                    torch.float32)
+    assert torch.equal(scaled[0], rope_cos_sin(inverse_frequencies(16, 10000.0, dict(
+        LLAMA3, original_max_position_embeddings=4)), 8, "cpu", torch.float32)[0]) and not torch.equal(scaled[0], cos)

@@ -36,19 +36,21 @@ def test_interleaved_rank_0_holds_the_papers_extra_chunks():
     """p 2, v 2, m 4, chunks of 2 layers. Megatron's order on rank 0: 2(p-1) + (v-1)·p = 4 warm-up forwards
     (chunk 0 micro-batches 0, 1; chunk 1 micro-batches 0, 1), then forward/backward pairs: F(c0, 2) brings
     v·p + p - 1 = 5 chunks in flight; B(c1, 0), F(c0, 3) keeps 5, four of them chunk 0's (which also keeps
-    the token ids a_in). 10 layers' worth = 1 + (p-1)/(p·v) = 1.25 times 1F1B's 8 (2 micro-batches x 4)."""
+    the token ids a_in). 10 layers' worth = 1 + (p-1)/(p·v) = 1.25 times 1F1B's 8 (2 micro-batches x 4). RoPE's
+    tables (4·s·d_h) are the rank's once, whatever is in flight."""
     b, s = 2, 32
     layer = activation_bytes_per_layer(EIGHT, b, s, 1)
     ids = input_layer_activation_bytes(EIGHT, b, s, 1)
-    one_f_one_b = activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4)
+    tables = 4 * s * EIGHT.head_dim
+    one_f_one_b = activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4) - tables
     assert one_f_one_b == pytest.approx(2 * (4 * layer + ids))
-    interleaved = activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4, schedule="interleaved", virtual=2)
+    interleaved = activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4, schedule="interleaved", virtual=2) - tables
     assert interleaved == pytest.approx(5 * 2 * layer + 4 * ids)
     assert (interleaved - 4 * ids) / (one_f_one_b - 2 * ids) == pytest.approx(1 + (2 - 1) / (2 * 2))
     # With full checkpointing a block keeps its input 2·s·b·h, and one block is recomputed at a time.
     kept = 2 * s * b * EIGHT.hidden_size
     checkpointed = activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4, checkpointing=True, schedule="interleaved", virtual=2)
-    assert checkpointed == pytest.approx(5 * 2 * kept + 4 * ids + layer)
+    assert checkpointed == pytest.approx(5 * 2 * kept + 4 * ids + layer + tables)
     with pytest.raises(ValueError, match="virtual_pipeline_size"):  # 8 layers do not split into 3·2 chunks
         activation_bytes(EIGHT, b, s, 1, 2, 0, gas=4, schedule="interleaved", virtual=3)
 
