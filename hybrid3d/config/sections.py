@@ -98,6 +98,10 @@ class HybridSection:
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128
+    # The LM head and the cross entropy over this many tokens at a time (0: all at once): the last stage then keeps
+    # each token's fp32 log-sum-exp, not its (V/t) fp32 probabilities, and backward recomputes the logits chunk by
+    # chunk (one more head GEMM); a chunk's transient logits take 8·chunk·V/t bytes (docs/configuration.md).
+    loss_chunk_tokens: int = 0
     # The pipeline schedule: "1f1b" (DeepSpeed's TrainSchedule) or "dualpipev" (DeepSpeed's DualPipeVEngine:
     # each rank holds stages r and 2p-1-r) or "interleaved" (Megatron's interleaved 1F1B: each rank holds
     # virtual_pipeline_size chunks, stages r, r+p, ...; hybrid3d.ds_internals.interleaved_pipeline).
@@ -138,7 +142,7 @@ def positive_int(value: Any, key: str) -> int:
     return value
 
 
-NON_NEGATIVE = {"seed", "eval_interval", "save_interval", "keep_last"}
+NON_NEGATIVE = {"seed", "eval_interval", "save_interval", "keep_last", "loss_chunk_tokens"}
 
 
 def _check_value(value: Any, annotation: Any, key: str, field_name: str) -> Any:

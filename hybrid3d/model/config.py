@@ -54,6 +54,9 @@ class LlamaShape:
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
     qk_norm: bool = False  # RMSNorm over head_dim of every query and key head, before RoPE (Qwen3)
     sliding_window: Optional[int] = None  # key j visible to query i iff i - window < j <= i (Mistral)
+    # The LM head and the cross entropy `loss_chunk_tokens` tokens at a time, keeping no logits (0: all at once;
+    # hybrid3d.loss_chunk_tokens, `tensor_parallel.chunked_vocab_parallel_loss`).
+    loss_chunk_tokens: int = 0
     # LoRA adapters (hybrid3d.lora in the JSON; Hu et al. 2021): rank r (0: none) beside the `lora_targets` modules
     # (PEFT's names, tp_plan.LORA_TARGETS), scaled by alpha / r, dropout on their input; the base then frozen.
     lora_rank: int = 0

@@ -10,6 +10,7 @@ final norm and head carry them to the loss).
 """
 
 import random
+from dataclasses import dataclass
 from typing import Optional
 
 import numpy as np
@@ -41,6 +42,7 @@ class Embedding(VocabParallelEmbedding):
         super().__init__(shape.vocab_size, shape.hidden_size, tp, pad_multiple=shape.vocab_pad_multiple,
                          init_method=normal_init(shape.initializer_range), device=device, dtype=dtype)
         self.frozen_before_adapters = shape.lora_rank > 0
+        self.chunked_head = shape.loss_chunk_tokens > 0  # as the tied head (`tied_lm_logits`)
 
     def forward(self, inputs):
         ids, positions, _ = split_activations(inputs)
@@ -85,23 +87,40 @@ class FinalNorm(RMSNorm):
         return join_activations(super().forward(hidden), router_stats=router_stats)
 
 
+@dataclass(frozen=True)
+class HeadInput:
+    """What the head hands the loss when it runs chunked (`LlamaShape.loss_chunk_tokens`): its input and its
+    vocab-sharded weight, for `LanguageModelLoss` to apply chunk by chunk (the last stage's output goes straight
+    to the loss, never to another stage)."""
+
+    hidden: torch.Tensor  # (b, s, h), or (b, s/t, h) with SP
+    weight: torch.Tensor  # (V_padded/t, h)
+    router_stats: Optional[torch.Tensor] = None
+
+
 class LMHead(ColumnParallelLinear):
-    """Untied output projection: (b, s, h) -> (b, s, V_padded/t) vocab-sharded logits."""
+    """Untied output projection: (b, s, h) -> (b, s, V_padded/t) vocab-sharded logits; a `HeadInput` when the
+    loss applies it in chunks."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None):
         padded = padded_vocab_size(shape.vocab_size, tp.size, shape.vocab_pad_multiple)
         init = padded_rows_init(normal_init(shape.initializer_range), shape.vocab_size)  # padding rows zero
         super().__init__(shape.hidden_size, padded, tp, init_method=init, device=device, dtype=dtype)
+        self.chunked = shape.loss_chunk_tokens > 0
 
     def forward(self, inputs):  # (b, s, h), or (hidden, router_stats): the statistics pass through
         hidden, _, router_stats = split_activations(inputs)
+        if self.chunked:
+            return HeadInput(hidden, self.weight, router_stats)
         return join_activations(super().forward(hidden), router_stats=router_stats)
 
 
 def tied_lm_logits(embedding: Embedding, inputs):
     """Tied head: logits from the embedding's vocab-sharded weight. (b, s, h) -> (b, s, V_padded/t);
-    (hidden, router_stats) -> (logits, router_stats)."""
+    (hidden, router_stats) -> (logits, router_stats); a `HeadInput` when the loss applies it in chunks."""
     hidden, _, router_stats = split_activations(inputs)
+    if embedding.chunked_head:
+        return HeadInput(hidden, embedding.weight, router_stats)
     return join_activations(vocab_parallel_logits(hidden, embedding.weight, embedding.tp), router_stats=router_stats)
 
 

@@ -11,11 +11,12 @@ from torch import nn
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_weights import TIED_KEY
-from hybrid3d.model.layers import build_layers, tied_lm_logits
+from hybrid3d.model.layers import HeadInput, build_layers, tied_lm_logits
 from hybrid3d.model.activations import split_activations
 from hybrid3d.model.moe import load_balancing_loss, router_tally
 from hybrid3d.parallel.context_parallel import sequence_mean
-from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX, gather_from_tp_region, token_loss_sum
+from hybrid3d.parallel.tensor_parallel import (IGNORE_INDEX, chunked_vocab_parallel_loss, gather_from_tp_region,
+                                               token_loss_sum)
 from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 
@@ -39,12 +40,19 @@ class LanguageModelLoss:
         self.ignore_index = ignore_index
         self.num_experts = shape.num_experts
         self.router_aux_loss_coef = shape.router_aux_loss_coef
+        self.chunk_tokens = shape.loss_chunk_tokens
         self._router_tally = None  # training calls' `moe.router_tally` sums since the last `take_router_tally`
 
     def __call__(self, outputs, labels):  # (b, s/c, V_padded/t) or (that, (2E + 1,)), (b, s/c) or that + () -> ()
-        logits, _, router_stats = split_activations(outputs)
         targets, weight = labels if isinstance(labels, (tuple, list)) else (labels, None)
-        total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
+        if isinstance(outputs, HeadInput):  # the head applied here, chunk by chunk (loss_chunk_tokens)
+            router_stats = outputs.router_stats
+            total = chunked_vocab_parallel_loss(outputs.hidden, outputs.weight, targets, self.tp, self.vocab_size,
+                                                self.ignore_index, self.chunk_tokens).sum()
+            count = (targets != self.ignore_index).sum()
+        else:
+            logits, _, router_stats = split_activations(outputs)
+            total, count = token_loss_sum(logits, targets, self.tp, self.vocab_size, self.ignore_index)
         loss = sequence_mean(total, count, self.cp, weight)
         if router_stats is not None:
             aux = load_balancing_loss(router_stats, self.num_experts)

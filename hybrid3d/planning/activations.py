@@ -185,10 +185,13 @@ def output_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, seq
                                   cp: int = 1) -> float:
     """Last stage, per micro-batch: the final norm ((8·s_c·b·h + 4·s_c·b), /t with SP; its output is the
     head's saved input), the cross entropy's fp32 probabilities (4·s_c·b·V without TP, 4·s_c·b·V_p/t with
-    TP, plus 2 bool masks) and the int64 targets 8·s_c·b."""
+    TP, plus 2 bool masks) and the int64 targets 8·s_c·b. With the head and cross entropy in chunks
+    (`shape.loss_chunk_tokens`) each token's fp32 log-sum-exp, 4·s_c·b, instead of its probabilities."""
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
     norm = (8 * s_c * b * shape.hidden_size + 4 * s_c * b) / (t if sequence_parallel else 1)
-    if t == 1:
+    if shape.loss_chunk_tokens:
+        loss = 4 * s_c * b
+    elif t == 1:
         loss = 4 * s_c * b * shape.vocab_size
     else:
         loss = 4 * s_c * b * padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) / t + 2 * s_c * b

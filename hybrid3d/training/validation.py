@@ -51,7 +51,8 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu, hybrid=hybrid)
     hybrid = config.hybrid
     layout = config.layout
-    shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple)
+    shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple,
+                                loss_chunk_tokens=hybrid.loss_chunk_tokens)
     if hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
     shape = with_lora(shape, hybrid)

@@ -13,7 +13,7 @@ SHAPE = dict(vocab_size=203, hidden_size=64, intermediate_size=128, num_layers=2
 MICRO_BATCH, SEQ = 2, 64
 
 
-def ds_config(tp: int, cp: int, sp: bool, world: int, comm: str = "a2a") -> dict:
+def ds_config(tp: int, cp: int, sp: bool, world: int, comm: str = "a2a", chunk: int = 0) -> dict:
     return {
         "train_batch_size": MICRO_BATCH * (world // (tp * cp)),
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -24,7 +24,7 @@ def ds_config(tp: int, cp: int, sp: bool, world: int, comm: str = "a2a") -> dict
         "steps_per_print": 10**6,
         "comms_logger": {"enabled": True, "debug": True, "prof_all": False},
         "hybrid3d": {"tensor_parallel_size": tp, "context_parallel_size": cp, "sequence_parallel": sp,
-                     "context_parallel_comm": comm, "data": {"seq_length": SEQ}},
+                     "context_parallel_comm": comm, "loss_chunk_tokens": chunk, "data": {"seq_length": SEQ}},
     }
 
 
@@ -64,8 +64,9 @@ def measure(run: dict, world: int) -> dict:
     from hybrid3d.training.validation import validate_run
 
     shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
-    config = ds_config(run["tp"], run["cp"], run["sp"], world, run.get("comm", "a2a"))
+    config = ds_config(run["tp"], run["cp"], run["sp"], world, run.get("comm", "a2a"), run.get("chunk", 0))
     trainer = build_trainer(validate_run(config, world, shape))
+    shape = trainer.shape  # with the run's settings (loss_chunk_tokens)
     generator = torch.Generator().manual_seed(0)
 
     def batches():

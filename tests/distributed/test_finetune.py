@@ -6,7 +6,8 @@
 - "sft": both (how fine-tuning data is packed).
 Losses, gradient norms (before clipping) and weights after 5 steps within 1e-5 of the reference, at TP2xPP2,
 DP2 (ZeRO-1 and 2), TP1xPP1, PP2 with tied embeddings, with context parallelism (Ulysses, ring and both) and sequence
-parallelism, and with activation checkpointing (partitioned under a pipeline, non-reentrant without).
+parallelism, with the head and cross entropy in chunks (`loss_chunk_tokens`), and with activation checkpointing
+(partitioned under a pipeline, non-reentrant without).
 """
 
 import pytest
@@ -47,6 +48,12 @@ RUNS = [
     run("ring-CP2", "docs", context_parallel_size=2, context_parallel_comm="p2p"),
     run("ulysses2-x-ring2", "sft", context_parallel_size=4, context_parallel_comm="a2a+p2p",
         context_parallel_a2a_size=2),
+    # the head and cross entropy 5 tokens at a time (loss_chunk_tokens; issue 37): chunks that cut sequences and
+    # micro-batches, the last one short, with TP, SP, CP and the tied head on the last stage
+    run("chunked-TP2-PP2", "sft", tp=2, pp=2, loss_chunk_tokens=5),
+    run("chunked-TP2+SP", "sft", tp=2, sequence_parallel=True, loss_chunk_tokens=5),
+    run("chunked-CP2", "docs", context_parallel_size=2, loss_chunk_tokens=5),
+    run("chunked-tied-PP2", "sft", pp=2, case="tied", loss_chunk_tokens=5),
 ]
 
 

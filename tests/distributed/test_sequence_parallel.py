@@ -24,7 +24,10 @@ RUNS = [dict(name="TP1-DP2", tp=1, cp=1, sp=False), dict(name="TP2", tp=2, cp=1,
                                                                        documents=True),
         # ring attention: kv heads as they are, RoPE rows gathered per block, no shared mask
         dict(name="ring-CP2", tp=1, cp=2, sp=False, comm="p2p"),
-        dict(name="ring-CP2-documents", tp=1, cp=2, sp=False, comm="p2p", documents=True)]
+        dict(name="ring-CP2-documents", tp=1, cp=2, sp=False, comm="p2p", documents=True),
+        # the head and cross entropy 48 tokens at a time: each token's log-sum-exp kept, not its probabilities
+        dict(name="TP2-chunked-loss", tp=2, cp=1, sp=False, chunk=48),
+        dict(name="TP2+SP-chunked-loss", tp=2, cp=1, sp=True, chunk=48)]
 # callers (the functions that issue the collective) by parallelism
 TP_CALLERS = {"_all_reduce", "backward", "all_gather_sequence", "reduce_scatter_sequence"}
 CP_CALLERS = {"single_all_to_all", "sequence_mean"}
@@ -47,7 +50,7 @@ def by_op(comms: dict, callers: set) -> dict:
 
 @pytest.mark.parametrize("run", RUNS, ids=lambda r: r["name"])
 def test_saved_activation_bytes_match_the_memory_model(measured, run):
-    shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
+    shape = LlamaShape(**SHAPE, sliding_window=run.get("window"), loss_chunk_tokens=run.get("chunk", 0))
     model = activation_bytes(shape, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1, sequence_parallel=run["sp"], cp=run["cp"],
                              document_mask=run.get("documents", False), comm=run.get("comm", "a2a"))
     got = measured[run["name"]]["activations"]

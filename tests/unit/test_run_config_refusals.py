@@ -36,6 +36,7 @@ from tests.distributed.engine_runs import ds_config
     (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"},
                         zero_optimization={"stage": 0}), "data_types.grad_accum_dtype=fp32 with bf16 needs"),
     (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage=3 is not supported"),
+    (lambda c: c["hybrid3d"].update(loss_chunk_tokens=-1), "hybrid3d.loss_chunk_tokens must be >= 0, got -1"),
 ])
 def test_bad_configs_are_refused_with_the_key(edit, needle):
     config = ds_config(tp=2, pp=2, zero=1)

@@ -3,6 +3,7 @@
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.cross_entropy import (
     IGNORE_INDEX,
+    chunked_vocab_parallel_loss,
     token_loss_sum,
     vocab_parallel_cross_entropy,
 )
@@ -32,6 +33,6 @@ __all__ = [
     "VocabParallelEmbedding", "all_gather_sequence", "column_parallel_linears",
     "copy_to_tp_region", "gather_from_tp_region", "leave_tp_region", "padded_vocab_size",
     "reduce_from_tp_region", "reduce_scatter_sequence", "reduce_scatter_to_sequence_region", "replicated_weight",
-    "scatter_to_tp_region", "token_loss_sum", "seed_tensor_parallel_rng", "tensor_parallel_rng", "vocab_parallel_cross_entropy",
+    "scatter_to_tp_region", "token_loss_sum", "chunked_vocab_parallel_loss", "seed_tensor_parallel_rng", "tensor_parallel_rng", "vocab_parallel_cross_entropy",
     "vocab_parallel_logits",
 ]
