@@ -3,7 +3,7 @@ autograd holds at the step's peak (`ds_internals.timeline.SavedActivationProbe`)
 (`planning.activations.activation_bytes`), and the step time (medians of interleaved repeats), at a vocabulary of
 32,768 where the (b·s, V) fp32 probabilities dwarf a block's activations.
 
-    python benchmarks/chunked_loss.py            # V 32768, h 256, 2 layers, b 2, s 1024, fp32, chunks of 512
+    python benchmarks/chunked_loss.py            # V 32768, h 256, 2 layers, b 2, s 1024, bf16, chunks of 512
 """
 
 import argparse
@@ -25,6 +25,8 @@ def ds_config(chunk: int, args) -> dict:
         "train_micro_batch_size_per_gpu": args.micro_batch,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": True},  # the activation model's dtype
+        "data_types": {"grad_accum_dtype": "fp32"},
         "zero_optimization": {"stage": 1},
         "steps_per_print": 10**9,
         "hybrid3d": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "loss_chunk_tokens": chunk,
@@ -91,7 +93,7 @@ def main(argv=None):
     with open(os.path.join(out_dir, "chunked_loss.json"), "w") as f:
         json.dump(dict(env=env, command=command.strip(), shape=SHAPE, rows=rows), f, indent=1)
     lines = ["# The LM head and cross entropy in chunks", "", environment_markdown(env, command.strip()), "",
-             f"Shape: {json.dumps(SHAPE)}; micro-batch {args.micro_batch}, sequence {args.seq}, fp32, one rank; "
+             f"Shape: {json.dumps(SHAPE)}; micro-batch {args.micro_batch}, sequence {args.seq}, bf16 (fp32 masters), one rank; "
              f"the (b·s, V) fp32 probabilities are {logits / 2**20:.1f} MiB; medians of {args.repeats} interleaved "
              "repeats.", "",
              "| loss_chunk_tokens | saved activations at the peak, MiB (model) | reduction MiB | step s | vs whole |",
