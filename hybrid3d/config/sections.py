@@ -76,6 +76,14 @@ class LoraSection:
 
 
 @dataclass(frozen=True)
+class CompileSection:
+    """torch.compile of each decoder block (torchtitan's per-block compile): one compiled graph serves every block
+    (their parameters are graph inputs), so it compiles once per process; opt-in (`training/compile.py`)."""
+    enabled: bool = False
+    backend: str = "inductor"  # torch._dynamo.list_backends(); "aot_eager" traces without generating kernels
+
+
+@dataclass(frozen=True)
 class HybridSection:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
@@ -121,6 +129,7 @@ class HybridSection:
     train: TrainSection = field(default_factory=TrainSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
+    compile: CompileSection = field(default_factory=CompileSection)
 
 
 def read_json(path) -> dict:

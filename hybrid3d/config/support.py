@@ -10,11 +10,12 @@ layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check
                                 reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
     interleaved / DualPipeV     pipeline_zero2
+    compiled blocks             a mixture-of-experts model; an unknown backend
 """
 
 from typing import Optional
 
-from hybrid3d.config.sections import SECTION, HybridSection
+from hybrid3d.config.sections import SECTION, CompileSection, HybridSection
 from hybrid3d.errors import ConfigError, LayoutError
 
 # Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
@@ -107,3 +108,18 @@ def check_lora(is_moe: bool, pipeline_zero2: bool) -> None:
     if pipeline_zero2:
         raise ConfigError("hybrid3d.lora: not supported with hybrid3d.pipeline_zero2 (use ZeRO-1 with pipeline "
                           "stages, or ZeRO-2 without them)")
+
+
+def check_compile(section: CompileSection, is_moe: bool) -> None:
+    """Compiled decoder blocks (`hybrid3d.compile`, training/compile.py): a backend Dynamo knows; not with experts,
+    whose token counts per expert are data-dependent shapes (model/moe.py's torch.where per expert)."""
+    if not section.enabled:
+        return
+    import torch._dynamo
+
+    backends = torch._dynamo.list_backends(exclude_tags=())
+    if section.backend not in backends:
+        raise ConfigError(f"{SECTION}.compile.backend must be one of {', '.join(sorted(backends))}, "
+                          f"got {section.backend!r}")
+    if is_moe:
+        raise ConfigError(f"{SECTION}.compile.enabled is not supported with a mixture-of-experts model yet")

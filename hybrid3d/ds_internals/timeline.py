@@ -84,7 +84,9 @@ class _Held:
         self.tensor, self.probe, self.key = tensor, probe, key
 
     def __del__(self):
-        self.probe._release(self.key)
+        probe = getattr(self, "probe", None)  # Dynamo copies saved-tensor hook results without __init__ while tracing
+        if probe is not None:
+            probe._release(self.key)
 
 
 class SavedActivationProbe:

@@ -57,7 +57,10 @@ class RotaryFrequencies(nn.Module):
 
     def cos_sin(self, seq_len: int, device, dtype):
         """`rope_cos_sin` of this module's frequencies, (s, head_dim) each, shared with every layer asking for the
-        same key. Callers must not modify them in place."""
+        same key. Callers must not modify them in place. Inside a compiled block they are computed in the graph
+        (Dynamo cannot trace the memo, and a graph break there would split every block in two)."""
+        if torch.compiler.is_compiling():
+            return rope_cos_sin(self.inv_freq, seq_len, device, dtype)
         return _shared_cos_sin(self._spec, seq_len, torch.device(device), dtype)
 
 

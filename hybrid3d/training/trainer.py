@@ -47,6 +47,7 @@ from hybrid3d.parallel.tensor_parallel import seed_tensor_parallel_rng
 from hybrid3d.parallel.tensor_parallel.layers import weights_loaded_later
 from hybrid3d.parallel.tensor_parallel.lora import train_adapters_only
 from hybrid3d.parallel.world import process_group_timeout
+from hybrid3d.training.compile import compile_blocks
 from hybrid3d.training.engines import engine_for
 from hybrid3d.training.validation import ValidRun
 
@@ -274,6 +275,8 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
         train_adapters_only(module)
         if layout.pp > 1:
             skip_frozen_tied_gradients(module)
+
+    compile_blocks(module, config.hybrid.compile)  # opt-in; in place, so names and checkpoints are unchanged
 
     # DeepSpeed stores this attribute in every checkpoint; ds_to_universal reads it to reshard.
     module.universal_checkpoint_info = universal_checkpoint_info(shape, layout.tp)

@@ -23,7 +23,7 @@ from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.config.support import check_lora, check_moe_options, check_ring_attention
+from hybrid3d.config.support import check_compile, check_lora, check_moe_options, check_ring_attention
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 
@@ -58,6 +58,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     shape = with_lora(shape, hybrid)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep, ring=layout.ring, cp_a2a=layout.cp_a2a)
     check_ring_attention(hybrid, shape.attention_dropout, on_cpu)
+    check_compile(hybrid.compile, shape.is_moe)
     check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
                       use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,

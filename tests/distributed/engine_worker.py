@@ -57,6 +57,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "blocks_on_rank": sum(isinstance(m, DecoderBlock) for m in trainer.module.modules()),
+        "compiled_blocks": sum(isinstance(m, DecoderBlock) and m._compiled_call_impl is not None  # nn.Module.compile's
+                               for m in trainer.module.modules()),
         "stage_layers": pipeline_stage_layers(trainer.module) if trainer.uses_pipeline else None,
         # what the instruction timeline saw over the run, and the activations autograd held in the last step
         "passes": [(r.name, r.kwargs.get("chunk", r.kwargs.get("phase", 0)), r.kwargs["buffer_id"])
