@@ -109,6 +109,8 @@ DEEPSPEED_PRIVATES_ALLOWED = {
     ("tests/launcher/test_reliability.py", "_exit"): "os._exit, the standard library's (DeepSpeed has one too)",
     ("hybrid3d/training/watchdog.py", "_exit"): "os._exit, the standard library's (DeepSpeed has one too)",
     ("benchmarks/report.py", "_bytes"): "a column-name suffix of the results, not DeepSpeed's attribute",
+    ("tests/distributed/engine_worker.py", "_compiled_call_impl"): "torch.nn.Module.compile's compiled forward, "
+                                                                   "torch's attribute (DeepSpeed's engine names it too)",
 }
 
 
