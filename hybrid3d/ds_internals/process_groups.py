@@ -39,10 +39,17 @@ def destroy_engines() -> int:
     the module docstring); returns how many. For a process that runs many runs (the pooled worlds), between runs."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
-    engines = [obj for obj in gc.get_objects() if isinstance(obj, DeepSpeedEngine)]
+    engines = [obj for obj in gc.get_objects() if _is_instance(obj, DeepSpeedEngine)]
     for engine in engines:
         engine.destroy()
     return len(engines)
+
+
+def _is_instance(obj, cls) -> bool:
+    try:
+        return isinstance(obj, cls)
+    except ReferenceError:  # a weak proxy whose object is gone (torch.compile's caches keep some)
+        return False
 
 
 def release_process_groups() -> int:

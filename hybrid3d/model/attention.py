@@ -21,6 +21,7 @@ query heads; when c is a multiple of them, each kv head is repeated c/kv times f
 gets one (`context_kv_heads`).
 """
 
+import contextlib
 from typing import Optional
 
 import torch
@@ -105,7 +106,9 @@ class CoreAttention(nn.Module):
         if mask is not None and group > 1:  # (b, kv, s, d) -> (b, heads, s, d), HF's repeat_kv order
             k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
         dropout = self.dropout if self.training else 0.0
-        with tensor_parallel_rng():  # heads differ per TP (and CP) rank, so must their dropout masks
+        # heads differ per TP (and CP) rank, so must their dropout masks; without dropout no stream is forked (the
+        # fork copies the RNG tracker's states, which a compiled block could not trace)
+        with tensor_parallel_rng() if dropout else contextlib.nullcontext():
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=mask is None,
                                                  enable_gqa=k.shape[1] != q.shape[1])  # no mask only
         return out.transpose(1, 2)  # (b, s, heads, d)
