@@ -83,7 +83,8 @@ def build(system: str, tp: int, pp: int, precision: str, args, hf_model_dir: str
         from hybrid3d.model import LlamaShape
         from common import build_trainer_from_json
 
-        config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp}})
+        config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
+                                                         "partition_method": args.partition_method}})
         trainer = build_trainer_from_json(config, LlamaShape.from_hf(hf.config), hf_state_dict=hf.state_dict())
         check_sequences_per_step(system, trainer.engine, trainer.layout.dp, args.global_batch)
         return trainer.engine, trainer.train_step, trainer.groups.get_data_parallel_rank()
@@ -269,6 +270,8 @@ def main(argv=None):
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--partition-method", default="type:DecoderBlock", choices=["type:DecoderBlock", "cost"],
+                        help="hybrid3d.partition_method of the pipeline layouts")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
@@ -296,7 +299,8 @@ def main(argv=None):
         f.write("\n".join([
             "# hybrid3d vs peers", "", environment_markdown(env, command), "",
             f"Model: {MODEL}; ZeRO-{args.zero}, global batch {args.global_batch} x {args.seq_length} tokens, "
-            f"micro-batch {args.micro_batch}; {args.steps} timed steps x {args.repeats} interleaved repeats. "
+            f"micro-batch {args.micro_batch}; hybrid3d.partition_method {args.partition_method!r} at the pipeline "
+            f"layouts; {args.steps} timed steps x {args.repeats} interleaved repeats. "
             "'vs peer' is the peer's step time over hybrid3d's (> 1: hybrid3d is faster); the PP layouts' "
             "peer is HF + ZeRO over the same ranks as pure DP. 'vs plain PyTorch' is tokens/s over one "
             "process's on the same cores.", "", text, ""]))
