@@ -1,8 +1,9 @@
 """Multi-node launching: one `deepspeed --hostfile H --no_ssh --node_rank r` process per "node" (here two on one
 machine, as a scheduler starts one per node), both pointing at rank 0's rendezvous. The 4-rank TP2xPP2 demo job
 spans the two nodes (TP inside each, the pipeline across them) and must train exactly like the single-host
-run of the same layout, end when a node dies (its ranks killed -9, one of them while writing a checkpoint), and
-resume across them to the same losses and weights: nothing the killed save wrote is lost or taken for complete."""
+run of the same layout and end when a node dies (its ranks killed -9, one of them while writing a checkpoint); the
+job then resumes (in the pooled world) to the same losses and weights: nothing the killed save wrote is lost or
+taken for complete."""
 
 import json
 import subprocess
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import torch
 
-from tests.launcher.harness import (STEPS, TRAIN, _port, config_copy, deepspeed_launcher, launch_env,
+from tests.launcher.harness import (STEPS, TRAIN, _port, config_copy, deepspeed_launcher,
                                     launcher_env_by_rank, layer_states, read_metrics)
+from tests.launcher.in_world import run_job
 
 HOSTFILE = "node0 slots=2\nnode1 slots=2\n"
 
@@ -25,19 +27,12 @@ def per_node_commands(config: Path, hostfile: Path, *overrides: str) -> list[lis
             for node in (0, 1)]
 
 
-def launch_nodes(config: Path, hostfile: Path, *overrides: str, timeout: int = 600) -> list[tuple[int, str]]:
-    procs = [subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=config.parent,
-                              env=launch_env()) for cmd in per_node_commands(config, hostfile, *overrides)]
-    outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    return [(p.returncode, out) for p, out in zip(procs, outputs)]
-
-
 def test_per_node_launch_trains_like_one_host_survives_losing_a_node_and_resumes(uninterrupted, tmp_path):
     """Both nodes launch the job and it trains exactly like the single-host run; node 1 then dies (every process,
     SIGKILL) while the job saves its step-8 checkpoint: node 0's ranks end within the bound with an error naming
-    the failure, `latest` still names the committed step-4 checkpoint, and both nodes resume from it to the
-    uninterrupted run's losses. (One launch pair trains and loses a node, one resumes: the per-node launch, the
-    node loss and the multi-node resume share them.)"""
+    the failure, `latest` still names the committed step-4 checkpoint, and the job resumes from it to the
+    uninterrupted run's losses and weights. (One launch pair trains and loses a node; the resume runs in the pooled
+    world of 4, reading the same files a second launch pair would.)"""
     import psutil
 
     from tests.launcher.harness import fault_env, wait_for
@@ -77,11 +72,11 @@ def test_per_node_launch_trains_like_one_host_survives_losing_a_node_and_resumes
     # the save killed half-way stays staged, never under its tag
     assert not (checkpoints / "global_step8").exists() and (checkpoints / "global_step8.incomplete").exists()
 
-    # both nodes resume from the step-4 checkpoint: steps 5-8 again, exactly, to the same weights
-    resumed = launch_nodes(config, hostfile, "--checkpoint.load", "latest")
-    for code, out in resumed:
-        assert code == 0, out[-4000:]
-    assert "at step 4" in resumed[0][1], resumed[0][1][-4000:]  # rank 0's start-up line, on node 0
+    # the job resumes from the step-4 checkpoint: steps 5-8 again, exactly, to the same weights. In the pooled
+    # world of 4: the per-node launch is the first pair's subject, and a resume reads the same files either way.
+    resumed = run_job(4, config, "--checkpoint.load", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-4000:] + resumed.stderr[-4000:]
+    assert "at step 4" in resumed.stdout, resumed.stdout[-4000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["loss"] for m in metrics[-4:]] == [m["loss"] for m in uninterrupted["metrics"][4:]]
     final = layer_states(checkpoints / "global_step8")
