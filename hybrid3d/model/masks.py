@@ -26,12 +26,13 @@ from typing import Optional
 
 import torch
 
+from hybrid3d.parallel.attention_visibility import visible
+
 
 def sliding_window_mask(seq_len: int, window: int, device=None) -> torch.Tensor:
     """(s, s) bool: [i, j] True iff i - window < j <= i."""
-    i = torch.arange(seq_len, device=device).unsqueeze(1)  # (s, 1) query positions
-    j = torch.arange(seq_len, device=device).unsqueeze(0)  # (1, s) key positions
-    return (j <= i) & (j > i - window)
+    positions = torch.arange(seq_len, device=device)
+    return visible(positions, positions, window)
 
 
 def window_masks(seq_len: int, window: Optional[int]) -> bool:
@@ -70,11 +71,8 @@ def document_segments(positions: torch.Tensor) -> torch.Tensor:
 
 def document_causal_mask(positions: torch.Tensor) -> torch.Tensor:
     """(b, s) positions -> (b, 1, s, s) bool, True where query i may attend key j: j <= i in the same document."""
-    segments = document_segments(positions)
-    same_document = segments.unsqueeze(-1) == segments.unsqueeze(-2)  # (b, s, s)
-    s = positions.shape[-1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=positions.device).tril()
-    return (same_document & causal).unsqueeze(1)
+    index = torch.arange(positions.shape[-1], device=positions.device)
+    return visible(index, index, segments=document_segments(positions))
 
 
 # (id, version, window, dtype) of a live positions tensor -> a weak reference to its mask. The entry leaves when

@@ -26,6 +26,7 @@ an explicit mask built from the global positions. A query row with no key in a b
 import torch
 import torch.distributed as torch_dist
 
+from hybrid3d.parallel.attention_visibility import visible
 from hybrid3d.parallel.rank_groups import ContextParallelGroup
 
 
@@ -95,9 +96,9 @@ def _blocks(q_starts: list, k_starts: list, length: int):
 
 
 class BlockMask:
-    """Which keys a query may see beyond causality, by global position: the same packed document (`segments` (b, s),
-    `masks.document_segments` of the whole sequence) and, with a `window`, the last `window` positions (Mistral's
-    sliding window, `masks.sliding_window_mask`). None of either: plain causal blocks, no mask."""
+    """Which keys a query may see beyond causality, by global position (`attention_visibility.visible`): the same packed document
+    (`segments` (b, s), `masks.document_segments` of the whole sequence) and, with a `window`, the last `window`
+    positions (Mistral's sliding window). None of either: plain causal blocks, no mask."""
 
     def __init__(self, segments=None, window=None):
         self.segments, self.window = segments, window
@@ -106,15 +107,10 @@ class BlockMask:
         return self.segments is not None or self.window is not None
 
     def allowed(self, q_pos: torch.Tensor, k_pos: torch.Tensor) -> torch.Tensor:
-        """(nq,) and (nk,) global positions -> (b or 1, 1, nq, nk) bool, True where the query may see the key."""
-        q, k = q_pos.unsqueeze(-1), k_pos.unsqueeze(0)  # (nq, 1), (1, nk)
-        allowed = k <= q
-        if self.window is not None:
-            allowed = allowed & (k > q - self.window)
-        allowed = allowed.unsqueeze(0)  # (1, nq, nk)
-        if self.segments is not None:
-            allowed = allowed & (self.segments[:, q_pos].unsqueeze(-1) == self.segments[:, k_pos].unsqueeze(-2))
-        return allowed.unsqueeze(1)
+        """(nq,) and (nk,) global positions -> (b or 1, 1, nq, nk) bool, True where the query may see the key
+        (`attention_visibility.visible`)."""
+        allowed = visible(q_pos, k_pos, self.window, self.segments)
+        return allowed if allowed.dim() == 4 else allowed[None, None]
 
     def blocks(self, q_table_row: torch.Tensor, k_table_row: torch.Tensor, length: int, dtype):
         """`_blocks` of a query set against a key set, each as (query rows, key segments, additive mask or None,

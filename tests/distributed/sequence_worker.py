@@ -66,7 +66,6 @@ def measure(run: dict, world: int) -> dict:
     shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
     config = ds_config(run["tp"], run["cp"], run["sp"], world, run.get("comm", "a2a"), run.get("chunk", 0))
     trainer = build_trainer(validate_run(config, world, shape))
-    shape = trainer.shape  # with the run's settings (loss_chunk_tokens)
     generator = torch.Generator().manual_seed(0)
 
     def batches():

@@ -28,20 +28,13 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, tp, vocab_size, ignore_index):
         # logits: (b, s, V/t) this rank's vocabulary slice; target: (b, s) global ids.
-        per_rank = logits.shape[-1]
-        vocab_start = tp.rank * per_rank
-        z = logits.float()
-        padded_from = vocab_size - vocab_start  # first local column that is padding
-        if padded_from < per_rank:
-            z = z.clone()
-            z[..., max(padded_from, 0):] = float("-inf")
+        z = _without_padding(logits.float(), tp, vocab_size, owned=logits.dtype != torch.float32)
 
         z_max = z.max(dim=-1).values
         _all_reduce(z_max, tp, ReduceOp.MAX)
         z = z - z_max.unsqueeze(-1)
 
-        outside = (target < vocab_start) | (target >= vocab_start + per_rank)
-        local_target = (target - vocab_start).masked_fill(outside, 0)
+        local_target, outside = _local_targets(target, tp, logits.shape[-1])
         z_target = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
         # torch.where, not a product: a padded column holds -inf and -inf * 0 is NaN.
         z_target = torch.where(outside, torch.zeros_like(z_target), z_target)
@@ -153,10 +146,16 @@ def _chunks(n: int, chunk: int):
 
 def _chunk_logits(rows, weight, tp, vocab_size):
     """(c, h) x (V/t, h) -> (c, V/t) fp32 logits of this rank's vocabulary slice, padded columns -inf."""
-    z = F.linear(rows, weight).float()
-    padded_from = vocab_size - tp.rank * weight.shape[0]  # first local column that is padding
-    if padded_from < weight.shape[0]:
-        z[:, max(padded_from, 0):] = float("-inf")
+    return _without_padding(F.linear(rows, weight).float(), tp, vocab_size, owned=True)
+
+
+def _without_padding(z, tp, vocab_size: int, owned: bool):
+    """z (..., V/t) fp32 logits of this rank's slice with its padded columns (index >= vocab_size) at -inf, written
+    in place when `owned`, else in a copy."""
+    padded_from = vocab_size - tp.rank * z.shape[-1]  # first local column that is padding
+    if padded_from < z.shape[-1]:
+        z = z if owned else z.clone()
+        z[..., max(padded_from, 0):] = float("-inf")
     return z
 
 
