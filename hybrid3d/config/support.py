@@ -86,18 +86,14 @@ def check_schedule_with_pipeline_zero2(hybrid: HybridSection) -> None:
                           f"{hybrid.pipeline_schedule!r} (use zero_optimization.stage 1)")
 
 
-def check_ring_attention(hybrid: HybridSection, attention_dropout: float, on_cpu: bool = True) -> None:
-    """Ring attention (context_parallel_comm 'p2p' or 'a2a+p2p') runs its blocks with torch's fused CPU kernel, masked
-    to packed documents and sliding windows where asked: attention dropout and the GPU kernels are not built into
-    its blocks yet."""
+def check_ring_attention(hybrid: HybridSection, attention_dropout: float) -> None:
+    """Ring attention (context_parallel_comm 'p2p' or 'a2a+p2p') runs its blocks without dropout
+    (parallel/attention_blocks.py), masked to packed documents and sliding windows where asked."""
     if hybrid.context_parallel_size == 1 or hybrid.context_parallel_comm == "a2a":
         return
-    key = f"{SECTION}.context_parallel_comm {hybrid.context_parallel_comm!r}"
-    if not on_cpu:
-        raise ConfigError(f"{key} runs on the CPU accelerator only for now (its blocks use torch's CPU flash kernel); "
-                          "use 'a2a' on GPUs")
     if attention_dropout:
-        raise ConfigError(f"{key} does not support attention_dropout > 0 yet")
+        raise ConfigError(f"{SECTION}.context_parallel_comm {hybrid.context_parallel_comm!r} does not support "
+                          "attention_dropout > 0 yet")
 
 
 def check_lora(is_moe: bool, pipeline_zero2: bool) -> None:

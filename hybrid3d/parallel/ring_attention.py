@@ -14,18 +14,19 @@ dS = P ∘ (dP - rowsum(dO ∘ O))).
 
 Each rank's tokens come in segments of consecutive positions (its chunks, or with a2a+p2p their parts), so a key
 segment is wholly before a query segment (attended whole), the same one (causal) or after it (skipped): each block
-is one call of torch's fused flash-attention kernel for CPUs, which returns the log-sum-exp (the GPU flash and
-efficient SDPA kernels do too, but are not wired here yet).
+is one call of a block kernel that returns the log-sum-exp (parallel/attention_blocks.py: torch's fused flash
+kernel on CPUs, explicit fp32 tiles on GPUs).
 
 Packed documents and sliding windows (`BlockMask`): a key segment none of whose keys a query segment may see (another
 document, or outside the window) is left out of the block, and a block with none left is skipped; the rest run with
 an explicit mask built from the global positions. A query row with no key in a block gets the log-sum-exp -inf there
-(the kernel reports 0), so it adds nothing to the merge.
+(the CPU kernel reports 0), so it adds nothing to the merge.
 """
 
 import torch
 import torch.distributed as torch_dist
 
+from hybrid3d.parallel.attention_blocks import block_kernel
 from hybrid3d.parallel.attention_visibility import visible
 from hybrid3d.parallel.rank_groups import ContextParallelGroup
 
@@ -77,10 +78,6 @@ class _Ring:
 def _wait(requests) -> None:
     for request in requests:
         request.wait()
-
-
-_FLASH = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_FLASH_BACKWARD = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
 def _blocks(q_starts: list, k_starts: list, length: int):
@@ -149,14 +146,13 @@ class RingAttention(torch.autograd.Function):
     `table` (c, n): the global positions of every ring member's n tokens, row cp.rank this rank's, in segments of
     `length` consecutive positions; `mask`: documents and window (`BlockMask`). -> (b, h, n, d).
 
-    Each (query segment, key segments) pair runs torch's fused CPU flash-attention kernel, which returns the
-    log-sum-exp the merge needs (`_scaled_dot_product_flash_attention_for_cpu` and its backward, given the merged
-    output and log-sum-exp: FlashAttention-2's per-block backward)."""
+    Each (query segment, key segments) pair runs `kernel` (attention_blocks.py), which returns the log-sum-exp the
+    merge needs and whose backward takes the merged output and log-sum-exp (FlashAttention-2's per-block backward)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, table, length: int, cp: ContextParallelGroup, mask: BlockMask):
+    def forward(ctx, q, k, v, table, length: int, cp: ContextParallelGroup, mask: BlockMask, kernel):
         b, h, n, d = q.shape
-        repeat = h // k.shape[1]  # the fused kernel takes as many kv heads as q heads: repeated here, not sent
+        repeat = h // k.shape[1]  # the kernels take as many kv heads as q heads: repeated here, not sent
         ring = _Ring(cp)
         out = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
         lse = torch.full((b, h, n), float("-inf"), device=q.device)
@@ -168,16 +164,16 @@ class RingAttention(torch.autograd.Function):
             source = (cp.rank - step) % cp.size
             bk, bv = (t.repeat_interleave(repeat, dim=1) for t in block)
             for rows, keys, causal, bias, blind in mask.blocks(table[cp.rank], table[source], length, q.dtype):
-                o, l = _FLASH(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), 0.0, causal,
-                              attn_mask=bias)
-                if blind is not None:  # the kernel's log-sum-exp of a row that sees no key is 0, not -inf
+                o, l = kernel.forward(q[:, :, rows], _segments(bk, keys, length), _segments(bv, keys, length), causal,
+                                      bias)
+                if blind is not None:  # the CPU kernel's log-sum-exp of a row that sees no key is 0, not -inf
                     l = l.masked_fill(blind, float("-inf"))  # (b or 1, 1, rows) over (b, h, rows)
                 out[:, :, rows], lse[:, :, rows] = _merge(out[:, :, rows], lse[:, :, rows], o, l)
             if requests is not None:
                 _wait(requests)
                 block = received
         result = out.to(q.dtype)
-        ctx.cp, ctx.length, ctx.mask = cp, length, mask
+        ctx.cp, ctx.length, ctx.mask, ctx.kernel = cp, length, mask, kernel
         ctx.save_for_backward(q, k, v, table, result, lse)
         return result
 
@@ -199,9 +195,9 @@ class RingAttention(torch.autograd.Function):
             dk_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)  # per q head, summed below
             dv_heads = torch.zeros(b, h, n, d, dtype=torch.float32, device=q.device)
             for rows, keys, causal, bias, _ in mask.blocks(table[cp.rank], table[source], length, q.dtype):
-                gq, gk, gv = _FLASH_BACKWARD(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
-                                             _segments(rv, keys, length), out[:, :, rows],
-                                             lse[:, :, rows].contiguous(), 0.0, causal, attn_mask=bias)
+                gq, gk, gv = ctx.kernel.backward(grad_out[:, :, rows], q[:, :, rows], _segments(rk, keys, length),
+                                                 _segments(rv, keys, length), out[:, :, rows], lse[:, :, rows],
+                                                 causal, bias)
                 dq[:, :, rows] += gq.float()
                 for piece, j in enumerate(keys):  # each key segment's share of the gradient
                     part = slice(piece * length, (piece + 1) * length)
@@ -215,16 +211,17 @@ class RingAttention(torch.autograd.Function):
             _wait(requests)
             block = received
         dk, dv = block  # our own K/V's gradients, back from the previous rank
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None, None
 
 
 def ring_attention(q, k, v, table: torch.Tensor, length: int, ring: ContextParallelGroup,
-                   mask: BlockMask | None = None):
+                   mask: BlockMask | None = None, kernel=None):
     """Causal attention over the sequence held around `ring`: q (b, h, n, d), k/v (b, g, n, d) at the positions
     `table[ring.rank]` (RoPE applied), `table` (c, n) every member's (`member_positions`), in segments of `length`
-    consecutive positions; `mask` packed documents and a sliding window, if any. -> (b, h, n, d)."""
+    consecutive positions; `mask` packed documents and a sliding window, if any; `kernel` the blocks' kernel
+    (default: `attention_blocks.block_kernel` of q's device). -> (b, h, n, d)."""
     return RingAttention.apply(q.contiguous(), k.contiguous(), v.contiguous(), table, length, ring,
-                               mask if mask is not None else BlockMask())
+                               mask if mask is not None else BlockMask(), kernel or block_kernel(q.device))
 
 
 def position_table(cp: ContextParallelGroup, s: int, device=None) -> torch.Tensor:

@@ -37,8 +37,8 @@ Besides Ulysses (the rows `plan` has), each c > 1 also tries ring attention: "p2
 head limit, and it may cross nodes: its sends then take the inter-node link), and "a2a+p2p" with u the largest
 divisor of c below c that Ulysses allows (a % (t·u), k_t and u dividing one another, t·u | GPUs per node;
 `layouts.hybrid_a2a_size`). A ring rank keeps its kv heads unrepeated (`activations.cp_kv_heads`) and the
-step time adds its sends (`step_time.ring_seconds`, an upper bound: not overlapped). The trainer runs ring
-attention on the CPU accelerator only for now (`config.support.check_ring_attention`): the table says so.
+step time adds its sends (`step_time.ring_seconds`, an upper bound: not overlapped). On GPUs the trainer
+runs a ring's blocks as explicit fp32 tiles, not a fused kernel (`parallel/attention_blocks.py`): the table says so.
 
 LoRA (`--lora-rank r`, `--lora-targets`; the shape's `lora_rank`, `lora_targets`): the memory model counts the
 frozen base in bf16 and the adapters as the trained parameters (`memory.lora_model_states`); ZeRO-2 with p > 1

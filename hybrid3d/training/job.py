@@ -9,6 +9,7 @@ from pathlib import Path
 
 import deepspeed.comm as dist
 import numpy as np
+import torch
 from deepspeed.accelerator import get_accelerator
 
 from hybrid3d.checkpoint.files import HF_FILES_DIR, tag_for_step
@@ -21,6 +22,7 @@ from hybrid3d.ds_internals import pipeline_parts, pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.model.pipe import layer_costs
+from hybrid3d.parallel.attention_blocks import block_kernel
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
 from hybrid3d.parallel.world import process_group_timeout, start_world
 from hybrid3d.parallel.placement import gather_placement, placement_lines
@@ -102,9 +104,14 @@ def layout_summary(trainer) -> list[str]:
     return lines
 
 
-def sequence_split(layout, seq: int) -> str:
-    """How a sequence is split over ranks, for the layout line ('' when it is not)."""
-    parts = ([f"context_parallel_size {layout.cp}"] if layout.cp > 1 else []) + (
+def sequence_split(layout, seq: int, device_type: str = "cpu") -> str:
+    """How a sequence is split over ranks, for the layout line ('' when it is not); with a ring, its comm and the
+    kernel its blocks run on `device_type` (parallel/attention_blocks.py)."""
+    ring = ""
+    if layout.ring:
+        comm = "p2p" if layout.cp_a2a == 1 else f"a2a {layout.cp_a2a} + p2p"
+        ring = f" ({comm}, ring blocks: {block_kernel(torch.device(device_type)).LABEL})"
+    parts = ([f"context_parallel_size {layout.cp}{ring}"] if layout.cp > 1 else []) + (
         [f"sequence_parallel over TP{layout.tp}"] if layout.sp else [])
     if not parts:
         return ""
@@ -204,7 +211,7 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
          f"ZeRO stage {config.zero_stage}, "
          f"micro-batch {config.micro_batch_size} x GAS {config.gradient_accumulation_steps} x DP {layout.dp} "
          f"= {config.sequences_per_step} sequences of {hybrid.data.seq_length} tokens"
-         f"{sequence_split(layout, hybrid.data.seq_length)}", is_rank0)
+         f"{sequence_split(layout, hybrid.data.seq_length, get_accelerator().device_name())}", is_rank0)
     for line in layout_summary(trainer):
         info(line, is_rank0)
     places = gather_placement(layout)  # hosts and launcher variables of every rank (parallel/placement.py)

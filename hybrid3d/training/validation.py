@@ -57,7 +57,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
     shape = with_lora(shape, hybrid)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep, ring=layout.ring, cp_a2a=layout.cp_a2a)
-    check_ring_attention(hybrid, shape.attention_dropout, on_cpu)
+    check_ring_attention(hybrid, shape.attention_dropout)
     check_compile(hybrid.compile, shape.is_moe)
     check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,

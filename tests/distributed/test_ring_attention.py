@@ -2,15 +2,18 @@
 steps, losses and weights within 1e-5) at ring CP2 and CP4, TP2 x ring CP2 on a 6-head / 2-kv-head model (which
 Ulysses refuses: 6 heads do not split over TP2 x CP2), ring CP2 x PP2 with tied embeddings, and ring CP2 x DP2
 ZeRO-2 with activation checkpointing, and Ulysses 2 x ring 2 (`a2a+p2p`, CP4). Packed documents and sliding
-windows with a ring: tests/distributed/test_finetune.py and test_families.py."""
+windows with a ring: tests/distributed/test_finetune.py and test_families.py. The ring's function itself, with
+either block kernel (torch's CPU flash kernel, and the explicit fp32 one GPUs run), against torch's SDPA over the
+whole sequence: `test_ring_with_either_block_kernel_matches_sdpa`."""
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from tests.distributed.engine_runs import hf_reference_run
 from tests.distributed.engine_worker import train_runs
 from tests.distributed.reports import merged_weights
-from tests.distributed.worlds import run_worlds_by_size
+from tests.distributed.worlds import run_world, run_worlds_by_size
 from tests.tiny_llama import make_hf_llama, max_rel_error
 
 TOL = 1e-5
@@ -51,3 +54,60 @@ def test_ring_attention_matches_hf_over_five_steps(results, run):
     print(f"{run['name']}: loss error {loss_error:.2e}, weight error {weight_error:.2e}")
     assert loss_error <= TOL and weight_error <= TOL, (loss_error, weight_error)
     assert ref["losses"][-1] < ref["losses"][0] * (1 - 1e2 * TOL)
+
+
+KERNEL_CASES = ["causal", "documents"]
+
+
+def _ring_kernel_inputs(b=2, h=4, g=2, s=64, d=8):
+    """q (b, h, s, d), k/v (b, g, s, d), the output's gradient, and (b, s) document indices (two per row)."""
+    generator = torch.Generator().manual_seed(0)
+    q, dout = (torch.randn(b, h, s, d, generator=generator) for _ in range(2))
+    k, v = (torch.randn(b, g, s, d, generator=generator) for _ in range(2))
+    documents = torch.zeros(b, s, dtype=torch.long)
+    documents[0, 21:], documents[1, 40:] = 1, 1
+    return q, k, v, dout, documents
+
+
+def _ring_kernels(rank, size):
+    """On each of `size` ranks of one ring: this rank's output and q/k/v gradients for every (case, kernel)."""
+    from hybrid3d.parallel.attention_blocks import CpuFlashBlocks, ExplicitBlocks
+    from hybrid3d.parallel.rank_groups import ContextParallelGroup
+    from hybrid3d.parallel.ring_attention import BlockMask, position_table, ring_attention, ring_shard
+
+    cp = ContextParallelGroup(group=torch.distributed.group.WORLD, rank=rank, size=size, ring=True)
+    q, k, v, dout, documents = _ring_kernel_inputs()
+    s = q.shape[2]
+    table = position_table(cp, s)
+    mine = [ring_shard(x.transpose(1, 2), cp).transpose(1, 2) for x in (q, k, v, dout)]  # (b, heads, s/c, d)
+    results = {}
+    for case in KERNEL_CASES:
+        for name, kernel in (("cpu-flash", CpuFlashBlocks), ("explicit", ExplicitBlocks)):
+            leaves = [x.clone().requires_grad_() for x in mine[:3]]
+            mask = BlockMask(documents if case == "documents" else None)
+            out = ring_attention(*leaves, table, s // (2 * size), cp, mask, kernel)
+            out.backward(mine[3])
+            results[case, name] = [out.detach(), *(x.grad for x in leaves)]
+    return {"positions": table[rank], "results": results}
+
+
+def test_ring_with_either_block_kernel_matches_sdpa(tmp_path):
+    """Ring CP4 (three hops, a rank's earlier key segments in one block) with GQA, plain causal and with packed
+    documents: each rank's output and q/k/v gradients equal SDPA's over the whole sequence at its positions."""
+    ranks = run_world(_ring_kernels, 4, str(tmp_path))
+    q, k, v, dout, documents = _ring_kernel_inputs()
+    index = torch.arange(q.shape[2])
+    for case in KERNEL_CASES:
+        allowed = index[:, None] >= index[None, :]  # (s, s)
+        if case == "documents":
+            allowed = (allowed & (documents[:, :, None] == documents[:, None, :])).unsqueeze(1)  # (b, 1, s, s)
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*leaves, attn_mask=allowed, enable_gqa=True)
+        ref.backward(dout)
+        expected = [ref.detach(), *(x.grad for x in leaves)]
+        for rank in ranks:
+            positions = rank["positions"]
+            for kernel in ("cpu-flash", "explicit"):
+                for name, got, want in zip(("out", "dq", "dk", "dv"), rank["results"][case, kernel], expected):
+                    torch.testing.assert_close(got, want[:, :, positions], rtol=1e-5, atol=1e-6,
+                                               msg=f"{case} {kernel} {name}")

@@ -43,9 +43,11 @@ def gpu_runs():
             base = dict(case="gqa", tp=t, pp=p, zero=zero, world=t * p * d)
             runs.append(dict(base, name=f"TP{t}-PP{p}-DP{d}-Z{zero}"))
             runs.append(dict(base, name=f"bf16-TP{t}-PP{p}-DP{d}-Z{zero}", extra=BF16))
-    # sequence parallelism (NCCL's all-gather / reduce-scatter) and Ulysses context parallelism (all-to-all)
+    # sequence parallelism (NCCL's all-gather / reduce-scatter), Ulysses context parallelism (all-to-all) and ring
+    # attention (NCCL's batched p2p; its blocks as explicit fp32 tiles on GPUs)
     sequence = [("SP-TP2-Z1", 2, 1, {"sequence_parallel": True}), ("CP2-Z1", 1, 2, {"context_parallel_size": 2}),
-                ("SP-TP2-CP2-Z2", 2, 2, {"sequence_parallel": True, "context_parallel_size": 2})]
+                ("SP-TP2-CP2-Z2", 2, 2, {"sequence_parallel": True, "context_parallel_size": 2}),
+                ("ring-CP2-Z1", 1, 2, {"context_parallel_comm": "p2p", "context_parallel_size": 2})]
     for name, t, c, hybrid in sequence:
         if t * c <= DEVICES:
             runs.append(dict(case="gqa", tp=t, pp=1, zero=2 if "Z2" in name else 1, world=t * c, name=name,
@@ -188,3 +190,37 @@ def test_attention_reaches_a_fused_kernel(monkeypatch, case):
     positions = torch.arange(s, device=device).remainder(s // 4).unsqueeze(0) if case == "documents" else None
     attention(q, k, v, positions=positions)
     assert len(seen) == 1 and seen[0] != int(torch.nn.attention.SDPBackend.MATH), seen
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["causal", "documents"])
+def test_ring_blocks_match_sdpa_on_the_device(monkeypatch, case):
+    """The kernel a ring's blocks run on this device (`attention_blocks.block_kernel`: explicit fp32 tiles on GPUs),
+    forward and backward given the output and log-sum-exp, against SDPA's autograd at Llama-3.2-1B's head shape,
+    fp32, with the rows cut into several tiles. One GPU runs no ring (NCCL takes one rank a device): the ring's
+    merge and hops around these blocks are tested on CPU (tests/distributed/test_ring_attention.py)."""
+    import torch.nn.functional as F
+
+    from hybrid3d.parallel import attention_blocks
+
+    device = torch.device(ACCELERATOR)
+    kernel = attention_blocks.block_kernel(device)
+    b, heads, s, d = 1, 32, 512, 64
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, dout = (torch.randn(b, heads, s, d, device=device, generator=generator) for _ in range(4))
+    causal = case == "causal"
+    bias = None
+    if not causal:
+        documents = (torch.arange(s, device=device) >= s // 3).long()  # two documents
+        allowed = (torch.arange(s, device=device)[:, None] >= torch.arange(s, device=device)[None, :]) & (
+            documents[:, None] == documents[None, :])
+        bias = torch.zeros(1, 1, s, s, device=device).masked_fill(~allowed, float("-inf"))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, attn_mask=bias, is_causal=causal)
+    ref.backward(dout)
+    monkeypatch.setattr(attention_blocks, "TILE_BYTES", 4 * b * heads * s * 100)  # tiles of 100 query rows
+    out, lse = kernel.forward(q, k, v, causal, bias)
+    grads = kernel.backward(dout, q, k, v, ref.detach(), lse, causal, bias)
+    torch.testing.assert_close(out.float(), ref.detach(), rtol=1e-4, atol=1e-5)
+    for name, got, leaf in zip("qkv", grads, leaves):
+        torch.testing.assert_close(got.float(), leaf.grad, rtol=1e-4, atol=1e-5, msg=name)

@@ -37,13 +37,13 @@ def test_refusals_name_the_key():
         with pytest.raises(ConfigError) as caught:
             validate_run(raw, 2, SIX_HEADS, on_cpu=True)
         assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
-    cases = [(config(context_parallel_comm="p2p"), SIX_HEADS, False, "runs on the CPU accelerator only for now"),
-             (config(context_parallel_comm="p2p"), dataclasses.replace(SIX_HEADS, attention_dropout=0.1), True,
-              "'p2p' does not support attention_dropout > 0 yet")]
-    for raw, shape, on_cpu, needle in cases:
+    for on_cpu in (True, False):  # GPUs run the ring's blocks as explicit fp32 tiles (attention_blocks.py)
         with pytest.raises(ConfigError) as caught:
-            validate_run(raw, 2, shape, on_cpu=on_cpu)
-        assert needle in str(caught.value) and "\n" not in str(caught.value), (needle, str(caught.value))
+            validate_run(config(context_parallel_comm="p2p"), 2, dataclasses.replace(SIX_HEADS, attention_dropout=0.1),
+                         on_cpu=on_cpu)
+        assert "'p2p' does not support attention_dropout > 0 yet" in str(caught.value)
+        assert "\n" not in str(caught.value)
+        assert validate_run(config(context_parallel_comm="p2p"), 2, SIX_HEADS, on_cpu=on_cpu).layout.ring
     # packed documents and sliding windows are masked in the ring's blocks (tests/distributed/test_finetune.py,
     # test_families.py): accepted
     validate_run(config(context_parallel_comm="p2p", data={"document_mask": True}), 2, SIX_HEADS, on_cpu=True)
@@ -80,3 +80,12 @@ def test_ulysses_inside_a_ring_holds_parts_of_the_ring_members_chunks():
     run = validate_run(config(context_parallel_comm="a2a+p2p", context_parallel_size=4, context_parallel_a2a_size=2),
                        4, SIX_HEADS)
     assert (run.layout.ring, run.layout.cp_a2a) == (True, 2)
+
+
+def test_the_layout_line_names_the_ring_and_its_block_kernel():
+    from hybrid3d.training.job import sequence_split
+
+    layout = validate_run(config(context_parallel_comm="p2p", tensor_parallel_size=2), 4, SIX_HEADS).layout
+    assert sequence_split(layout, 64, "cpu") == (" (32 tokens per rank: context_parallel_size 2 (p2p, ring blocks: "
+                                                 "torch's fused CPU flash kernel))")
+    assert "ring blocks: explicit fp32 tiles (no fused GPU kernel wired yet)" in sequence_split(layout, 64, "cuda")
