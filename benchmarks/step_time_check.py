@@ -6,11 +6,17 @@ not assumed:
 - compute: the FLOP rate of vs_peers' plain single-process PyTorch row (6N + 12·L·h·s per token x
   tokens/s) on all cores; a rank of a world of n ranks on those cores gets 1/n of it (n >= cores);
 - bandwidth: the bus bandwidth of a gloo all-reduce in a spawned world of each size, 2(n - 1)/n · bytes
-  / time (the planner's convention), median of 30, at two message sizes: one TP message (b·s·h
-  activations), used for the TP and pipeline parts, and one DP reduce bucket, used for the DP part.
-  (The planner itself has one bandwidth per link; small messages are latency-bound on gloo.)
-The planner's own parts (compute, 1F1B bubble, TP, DP, pipeline traffic) are then summed; it leaves out
-the optimizer step and Python/framework time.
+  / time (the planner's convention), median of 30, at the message sizes the layouts send: one TP message
+  (b·s·h activations, in each precision's bytes: a bf16 message is half an fp32 one, and small messages are
+  latency-bound on gloo, so its bandwidth is lower), used for the TP and pipeline parts, and one DP reduce
+  bucket, used for the DP part. (The planner itself has one bandwidth per link.)
+- memory bandwidth: each rank of a spawned world of each size copies a 64 MiB fp32 tensor while the others do
+  (read + write bytes / time, median of 10), for the optimizer part.
+The planner's own parts (compute, bubble, TP, DP, pipeline traffic, the optimizer's memory traffic) are then
+summed; Python/framework time is left out. One property of this machine the planner (one GPU a rank) has no
+term for: with more ranks than cores, ranks share cores, so while a pipeline bubble idles some ranks the busy
+ones run faster. In a 1F1B bubble of p stages one stage's w/p ranks run; on C cores each gets min(1, C·p/w) of a
+core instead of C/w, so the bubble is scaled by (min(C, w)/w) / min(1, C·p/w) here (0.5 at w = 4, p = 2, C = 2).
 
     python benchmarks/step_time_check.py benchmarks/results/2026-12-01-vm/vs_peers.json
 """
@@ -53,6 +59,26 @@ def bus_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
     return 2 * (world_size - 1) / world_size * numel * 4 / statistics.median(times)
 
 
+def copy_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
+    """Bytes/s of one rank's fp32 copy (read + write) while every rank of the world copies."""
+    import deepspeed.comm as dist
+
+    source, target = torch.ones(numel), torch.empty(numel)
+    target.copy_(source)
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        target.copy_(source)
+        times.append(time.perf_counter() - start)
+    return 2 * numel * 4 / statistics.median(times)
+
+
+def shared_core_bubble(world: int, pp: int, cores: int) -> float:
+    """The factor a 1F1B bubble takes when `world` ranks share `cores` (module docstring)."""
+    return (min(cores, world) / world) / min(1.0, cores * pp / world) if pp > 1 else 1.0
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("vs_peers_json", help="vs_peers.json written by benchmarks/vs_peers.py")
@@ -70,12 +96,16 @@ def main(argv=None):
     shape = LlamaShape.from_hf(LlamaConfig(**MODEL))
     flops_per_token = training_flops_per_token(shape, seq)
     cores = os.cpu_count() or 1
-    message = {"tp": micro * seq * shape.hidden_size, "dp": REDUCE_BUCKET}  # fp32 elements
-    bandwidth = {}  # (kind, world) -> bytes/s
+    tp_numel = micro * seq * shape.hidden_size
+    # fp32 elements of each message: a bf16 TP message is as many bytes as tp_numel / 2 fp32 ones
+    message = {"tp-fp32": tp_numel, "tp-bf16": tp_numel // 2, "dp": REDUCE_BUCKET}
+    bandwidth, memory = {}, {}  # (kind, world) -> bytes/s; world -> bytes/s a rank
     with tempfile.TemporaryDirectory() as tmp:
         for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
             for kind, numel in message.items():
                 bandwidth[kind, world] = run_world(bus_bandwidth, world, os.path.join(tmp, f"{kind}{world}"), numel, 30)[0]
+            memory[world] = statistics.median(run_world(copy_bandwidth, world, os.path.join(tmp, f"mem{world}"),
+                                                        16 * 2**20, 10))
     rows, plain = measured["rows"], {}
     for r in rows:
         if r["system"].startswith("plain"):
@@ -87,28 +117,32 @@ def main(argv=None):
         world, tp, pp, _ = LAYOUTS[r["for_layout"]]
         dp = world // (tp * pp)
         rank_rate = plain[r["precision"]] / max(world, cores)
+        precision = "fp32" if r["precision"] == "fp32" else "bf16"
         parts = {}
-        for kind in message:
+        for kind in (f"tp-{precision}", "dp"):
             gbps = bandwidth[kind, world] / GB
             cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
-                              efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps)
+                              efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
+                              memory_gbps=memory[world] / GB)
             parts[kind] = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
-                                             "fp32" if r["precision"] == "fp32" else "bf16")
-        small, bucket = parts["tp"], parts["dp"]
-        est = dataclasses.replace(small, dp=bucket.dp)  # TP and pipeline at the TP message's bandwidth
+                                             precision)
+        small, bucket = parts[f"tp-{precision}"], parts["dp"]
+        # TP and pipeline at the TP message's bandwidth; the bubble as cores shared by the ranks make it
+        est = dataclasses.replace(small, dp=bucket.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
         out.append({"layout": r["for_layout"], "precision": r["precision"], "measured_s": r["step_s"],
                     "estimate_s": est.seconds, "compute": est.compute, "bubble": est.bubble, "tp": est.tp,
-                    "dp": est.dp, "pipe": est.pipe, "error": est.seconds / r["step_s"] - 1})
-    lines = ["| precision | layout | measured s | estimate s | compute | bubble | TP | DP | pipeline | error |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+                    "dp": est.dp, "pipe": est.pipe, "optimizer": est.optimizer, "error": est.seconds / r["step_s"] - 1})
+    lines = ["| precision | layout | measured s | estimate s | compute | bubble | TP | DP | pipeline | optimizer | error |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in out:
         lines.append(f"| {o['precision']} | {o['layout']} | {o['measured_s']:.3f} | {o['estimate_s']:.3f} | "
                      f"{o['compute']:.3f} | {o['bubble']:.3f} | {o['tp']:.4f} | {o['dp']:.4f} | {o['pipe']:.4f} | "
-                     f"{o['error']:+.0%} |")
+                     f"{o['optimizer']:.4f} | {o['error']:+.0%} |")
     table = "\n".join(lines)
     errors = [abs(o["error"]) for o in out]
     summary = ("Measured all-reduce bus bandwidth (gloo, fp32): "
                + ", ".join(f"{message[k] * 4 / 2**20:.2f} MiB at {w} ranks {b / 1e9:.2f} GB/s" for (k, w), b in bandwidth.items())
+               + "; copy bandwidth a rank: " + ", ".join(f"{w} ranks {b / 1e9:.1f} GB/s" for w, b in memory.items())
                + f"; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
                + f" on {cores} cores. Median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}.")
     out_dir = os.path.dirname(os.path.abspath(args.vs_peers_json))
@@ -119,6 +153,7 @@ def main(argv=None):
                            "", summary, "", table, ""]))
     with open(os.path.join(out_dir, "step_time.json"), "w") as f:
         json.dump({"rows": out, "bandwidth_bytes_per_s": {f"{k}@{w}": b for (k, w), b in bandwidth.items()},
+                   "copy_bytes_per_s_a_rank": memory,
                    "plain_flops_per_s": plain}, f, indent=1)
     print(summary)
     print(table)

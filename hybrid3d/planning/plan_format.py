@@ -31,8 +31,8 @@ def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] =
         if len(feasible) > top:
             lines.append(f"... {len(feasible) - top} more feasible layouts (--top)")
         lines.append("rel.time: step-time estimate / the first row's: compute, the schedule's bubble, TP, CP, DP")
-        lines.append("and pipeline traffic (send/recv and its TP all-gathers), not overlapped; pp comm: pipeline")
-        lines.append("traffic's share; bubble: the schedule's idle share of the step")
+        lines.append("and pipeline traffic (send/recv and its TP all-gathers), the optimizer step's memory traffic,")
+        lines.append("not overlapped; pp comm: pipeline traffic's share; bubble: the schedule's idle share of the step")
         lines.append(SCHEDULE_FOOTER)
     else:
         lines.append("no layout fits")

@@ -19,6 +19,9 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
     pp comm  = slots · max over pipeline ranks of one micro-batch's
                [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth]
+    optimizer = the parameters a rank steps (its stages' Ψ, / d·c when ZeRO shards the master) · the bytes Adam
+               reads and writes per parameter (`OPTIMIZER_BYTES`) / memory bandwidth: the step is memory-bound
+               (a handful of FLOPs per 28-36 bytes moved): about 1% of a 7B step on H100s, several percent on CPUs.
 TP, CP and DP bytes are those of the busiest pipeline rank, summed over its stages (one with 1F1B; v with
 the interleaved schedule; DualPipeV's rank 0 adds the head's collectives to the embedding's). DP sums the
 stages' Ψ, so a tied embedding DualPipeV's rank 0 holds once is counted twice (an over-estimate).
@@ -53,7 +56,7 @@ from hybrid3d.model.config import LlamaShape
 from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
 from hybrid3d.planning.activations import rank_stages, stage_layer_count, ulysses_size, uses_ring
 from hybrid3d.planning.flops import training_flops_per_token
-from hybrid3d.planning.memory import GB
+from hybrid3d.planning.memory import GB, TORCH, UNFUSED, optimizer_wrapper, stage_parameter_numels
 from hybrid3d.planning.traffic import (
     cp_bytes_per_step,
     dp_bytes_per_step,
@@ -75,6 +78,7 @@ class Cluster:
     efficiency: float = 0.5
     intra_node_gbps: float = 200.0  # GB/s per GPU of all-reduce bus bandwidth inside a node
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
+    memory_gbps: float = 3350.0  # GB/s of device memory: the H100 SXM's HBM3 datasheet figure, as peak_tflops is
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -110,10 +114,11 @@ class StepTime:
     dp: float  # gradient reduction and ZeRO's all-gather
     pipe: float  # pipeline send/recv and the all-gathers re-assembling partitioned messages
     cp: float = 0.0  # Ulysses all-to-alls and the ring's sends
+    optimizer: float = 0.0  # the optimizer step's memory traffic
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp
+        return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp + self.optimizer
 
 
 @lru_cache(maxsize=256)
@@ -179,6 +184,22 @@ def ring_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, cp: int,
     return (forward + backward) * layers * gas / (cluster.ring_gbps(tp, cp) * GB)
 
 
+# Bytes Adam moves per parameter it steps: reads of the fp32 parameter (master), gradient and both moments, writes
+# of the parameter and moments (7 x 4); with bf16 weights also the bf16 gradient read into fp32 and the updated
+# master written back to the bf16 weight (+ 2 + 4 + 2). DeepSpeed's ZeRO wrappers and torch's AdamW alike.
+OPTIMIZER_BYTES = {"fp32": 28, "bf16": 36, "bf16+fp32acc": 36}
+
+
+def optimizer_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero_group: int, zero: int,
+                      precision: str, schedule: str = "1f1b", virtual: int = 1) -> float:
+    """The busiest rank's optimizer step: its stages' parameters (1/zero_group of them where the wrapper shards
+    the master, `memory.optimizer_wrapper`) · OPTIMIZER_BYTES / memory bandwidth."""
+    sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
+    share = zero_group if sharded else 1
+    numel = _worst_rank(lambda S, st: sum(stage_parameter_numels(shape, tp, S, st)) / share, schedule, pp, virtual)
+    return numel * OPTIMIZER_BYTES[precision] / (cluster.memory_gbps * GB)
+
+
 def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, zero: int,
                        micro_batch: int, gas: int, seq: int, precision: str = "bf16+fp32acc",
                        checkpointing: bool = False, pipe_partitioned: bool = True,
@@ -217,4 +238,5 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
     bubble = compute * (pipeline_slots(schedule, pp, gas, v) - gas) / gas
-    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds)
+    optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v)
+    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer)
