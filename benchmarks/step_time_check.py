@@ -5,11 +5,12 @@ The estimate needs a machine: its compute rate and its all-reduce bandwidth. Bot
 not assumed:
 - compute: the FLOP rate of vs_peers' plain single-process PyTorch row (6N + 12·L·h·s per token x
   tokens/s) on all cores; a rank of a world of n ranks on those cores gets 1/n of it (n >= cores);
-- bandwidth: the bus bandwidth of a gloo all-reduce in a spawned world of each size, 2(n - 1)/n · bytes
-  / time (the planner's convention), median of 30, at the message sizes the layouts send: one TP message
-  (b·s·h activations, in each precision's bytes: a bf16 message is half an fp32 one, and small messages are
-  latency-bound on gloo, so its bandwidth is lower), used for the TP and pipeline parts, and one DP reduce
-  bucket, used for the DP part. (The planner itself has one bandwidth per link.)
+- TP collectives: the latency α and bus bandwidth B (2(g - 1)/g · bytes / time, the planner's convention) of a
+  gloo all-reduce over groups of g = t ranks in a spawned world of each size, every group at once, 20 back to
+  back as a step issues them, median of 10: Hockney's t(n) = α + 2(g-1)/g · n/B through the layout's TP message
+  (b·s·h activations in the precision's bytes) and one 16x larger. They give the planner's `latency_us` and
+  TP bandwidth; the pipeline's sends use that bandwidth too.
+- DP: the bus bandwidth of one DP reduce bucket over groups of g = d ranks, measured the same way.
 - memory bandwidth: each rank of a spawned world of each size copies a 64 MiB fp32 tensor while the others do
   (read + write bytes / time, median of 10), for the optimizer part.
 The planner's own parts (compute, bubble, TP, DP, pipeline traffic, the optimizer's memory traffic) are then
@@ -43,20 +44,36 @@ from hybrid3d.planning.memory import GB  # noqa: E402
 from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
 
 
-def bus_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
-    """Bytes/s of bus bandwidth of an fp32 all-reduce of `numel` elements over the whole world."""
+def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: int) -> list:
+    """Seconds per fp32 all-reduce of each of `sizes` elements over groups of `group_size` consecutive ranks, every
+    group at once (as TP and DP groups run side by side): 20 back to back, as a step issues them, median of
+    `repeats`."""
     import deepspeed.comm as dist
 
-    x = torch.ones(numel)
-    for _ in range(3):
-        dist.all_reduce(x)
-    times = []
-    for _ in range(repeats):
-        dist.barrier()
-        start = time.perf_counter()
-        dist.all_reduce(x)
-        times.append(time.perf_counter() - start)
-    return 2 * (world_size - 1) / world_size * numel * 4 / statistics.median(times)
+    groups = [dist.new_group(list(range(first, first + group_size))) for first in range(0, world_size, group_size)]
+    group = groups[rank // group_size]
+    seconds = []
+    for numel in sizes:
+        x = torch.ones(numel)
+        for _ in range(3):
+            dist.all_reduce(x, group=group)
+        times = []
+        for _ in range(repeats):
+            dist.barrier()
+            start = time.perf_counter()
+            for _ in range(20):
+                dist.all_reduce(x, group=group)
+            times.append((time.perf_counter() - start) / 20)
+        seconds.append(statistics.median(times))
+    return seconds
+
+
+def latency_and_bandwidth(group_size: int, small: tuple, large: tuple) -> tuple[float, float]:
+    """Hockney's t(n) = α + 2(g-1)/g · n / B through two (bytes, seconds) points: (α s, B bus bytes/s); α >= 0."""
+    (n1, t1), (n2, t2) = small, large
+    bus = 2 * (group_size - 1) / group_size
+    bandwidth = bus * (n2 - n1) / max(t2 - t1, 1e-12)
+    return max(t1 - bus * n1 / bandwidth, 0.0), bandwidth
 
 
 def copy_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
@@ -98,14 +115,20 @@ def main(argv=None):
     cores = os.cpu_count() or 1
     tp_numel = micro * seq * shape.hidden_size
     # fp32 elements of each message: a bf16 TP message is as many bytes as tp_numel / 2 fp32 ones
-    message = {"tp-fp32": tp_numel, "tp-bf16": tp_numel // 2, "dp": REDUCE_BUCKET}
-    bandwidth, memory = {}, {}  # (kind, world) -> bytes/s; world -> bytes/s a rank
+    sizes = [tp_numel // 2, tp_numel, 16 * tp_numel // 2, 16 * tp_numel, REDUCE_BUCKET]
+    groups = sorted({(w, g) for w, t, p, _ in LAYOUTS.values() for g in (t, w // (t * p)) if g > 1})
+    seconds, memory = {}, {}  # (world, group size) -> seconds of each of sizes; world -> copy bytes/s a rank
     with tempfile.TemporaryDirectory() as tmp:
-        for world in sorted({w for w, _, _, _ in LAYOUTS.values()}):
-            for kind, numel in message.items():
-                bandwidth[kind, world] = run_world(bus_bandwidth, world, os.path.join(tmp, f"{kind}{world}"), numel, 30)[0]
+        for world, g in groups:
+            seconds[world, g] = run_world(all_reduce_seconds, world, os.path.join(tmp, f"ar{world}-{g}"), g, sizes, 10)[0]
+        for world in sorted({w for w, _ in groups}):
             memory[world] = statistics.median(run_world(copy_bandwidth, world, os.path.join(tmp, f"mem{world}"),
                                                         16 * 2**20, 10))
+    fits = {}  # (world, g, precision) -> (α s, B bus bytes/s) of the TP message
+    for (world, g), t in seconds.items():
+        for k, precision in enumerate(("bf16", "fp32")):
+            fits[world, g, precision] = latency_and_bandwidth(g, (sizes[k] * 4, t[k]), (sizes[k + 2] * 4, t[k + 2]))
+    bucket = {(w, g): 2 * (g - 1) / g * REDUCE_BUCKET * 4 / t[-1] for (w, g), t in seconds.items()}
     rows, plain = measured["rows"], {}
     for r in rows:
         if r["system"].startswith("plain"):
@@ -118,17 +141,18 @@ def main(argv=None):
         dp = world // (tp * pp)
         rank_rate = plain[r["precision"]] / max(world, cores)
         precision = "fp32" if r["precision"] == "fp32" else "bf16"
+        latency, tp_bandwidth = fits.get((world, tp, precision), fits.get((world, 2, precision)))  # PP2xDP2: no TP
         parts = {}
-        for kind in (f"tp-{precision}", "dp"):
-            gbps = bandwidth[kind, world] / GB
+        for kind, gbps, alpha in (("tp", tp_bandwidth / GB, latency * 1e6),
+                                  ("dp", bucket.get((world, dp), 1e30) / GB, 0.0)):
             cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
                               efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
-                              memory_gbps=memory[world] / GB)
+                              memory_gbps=memory[world] / GB, latency_us=alpha)
             parts[kind] = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
                                              precision)
-        small, bucket = parts[f"tp-{precision}"], parts["dp"]
-        # TP and pipeline at the TP message's bandwidth; the bubble as cores shared by the ranks make it
-        est = dataclasses.replace(small, dp=bucket.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
+        small, reduce = parts["tp"], parts["dp"]
+        # TP and pipeline at the TP fit; DP at the bucket's bandwidth; the bubble as cores shared by the ranks make it
+        est = dataclasses.replace(small, dp=reduce.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
         out.append({"layout": r["for_layout"], "precision": r["precision"], "measured_s": r["step_s"],
                     "estimate_s": est.seconds, "compute": est.compute, "bubble": est.bubble, "tp": est.tp,
                     "dp": est.dp, "pipe": est.pipe, "optimizer": est.optimizer, "error": est.seconds / r["step_s"] - 1})
@@ -140,8 +164,11 @@ def main(argv=None):
                      f"{o['optimizer']:.4f} | {o['error']:+.0%} |")
     table = "\n".join(lines)
     errors = [abs(o["error"]) for o in out]
-    summary = ("Measured all-reduce bus bandwidth (gloo, fp32): "
-               + ", ".join(f"{message[k] * 4 / 2**20:.2f} MiB at {w} ranks {b / 1e9:.2f} GB/s" for (k, w), b in bandwidth.items())
+    summary = ("Measured gloo all-reduces, TP message fits (α, B): "
+               + ", ".join(f"{p} over {g} of {w} ranks α {a * 1e3:.2f} ms, B {b / 1e9:.2f} GB/s"
+                           for (w, g, p), (a, b) in sorted(fits.items()))
+               + "; DP bucket bus bandwidth: " + ", ".join(f"{g} of {w} ranks {b / 1e9:.2f} GB/s"
+                                                          for (w, g), b in sorted(bucket.items()))
                + "; copy bandwidth a rank: " + ", ".join(f"{w} ranks {b / 1e9:.1f} GB/s" for w, b in memory.items())
                + f"; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
                + f" on {cores} cores. Median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}.")
@@ -152,7 +179,9 @@ def main(argv=None):
                            f"- measured rows: `{measured['command']}` (commit {measured['environment']['commit']})",
                            "", summary, "", table, ""]))
     with open(os.path.join(out_dir, "step_time.json"), "w") as f:
-        json.dump({"rows": out, "bandwidth_bytes_per_s": {f"{k}@{w}": b for (k, w), b in bandwidth.items()},
+        json.dump({"rows": out, "tp_fits_seconds_and_bus_bytes_per_s": {f"{p}@{g}of{w}": f
+                                                                         for (w, g, p), f in fits.items()},
+                   "dp_bucket_bus_bytes_per_s": {f"{g}of{w}": b for (w, g), b in bucket.items()},
                    "copy_bytes_per_s_a_rank": memory,
                    "plain_flops_per_s": plain}, f, indent=1)
     print(summary)

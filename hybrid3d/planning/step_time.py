@@ -10,6 +10,9 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     tp comm  = ring bus bytes of the logged TP collectives / intra-node bandwidth (not overlapped):
                all-reduce n -> 2n(t-1)/t, reduce-scatter n -> n(t-1)/t, all-gather of shard m -> m(t-1)
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
+               + the messages (`traffic.tp_messages`) · the latency of one collective (`Cluster.latency_us`,
+               Hockney's α: 0 by default, as NCCL's tens of µs are small against messages of MBs; gloo's on a
+               CPU shared by its ranks are milliseconds, benchmarks/step_time_check.py measures them)
     cp comm  = logged all-to-all bytes · (u-1)/u / intra-node bandwidth (`traffic.cp_bytes_per_step`), over the
                u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p")
                + with a ring ("p2p", "a2a+p2p"): ring bytes per layer (`traffic.ring_bytes_per_layer`: forward
@@ -65,6 +68,7 @@ from hybrid3d.planning.traffic import (
     ring_bytes_per_layer,
     tp_bus_bytes,
     tp_bytes_by_op,
+    tp_messages,
 )
 
 
@@ -79,6 +83,7 @@ class Cluster:
     intra_node_gbps: float = 200.0  # GB/s per GPU of all-reduce bus bandwidth inside a node
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
     memory_gbps: float = 3350.0  # GB/s of device memory: the H100 SXM's HBM3 datasheet figure, as peak_tflops is
+    latency_us: float = 0.0  # µs of one TP collective beyond its bytes / bandwidth (module docstring)
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -222,9 +227,14 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     compute *= 4 / 3 if checkpointing else 1
     compute /= cluster.peak_tflops * 1e12 * cluster.efficiency
     intra = cluster.intra_node_gbps * GB
-    tp_seconds = _worst_rank(lambda S, st: tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, S, st, gas,
-                                                                      act_bytes, checkpointing, sp, cp), tp),
-                            schedule, pp, v) / intra
+    def tp_stage_seconds(stages: int, stage: int) -> float:
+        bus = tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, stages, stage, gas, act_bytes, checkpointing,
+                                          sp, cp), tp)
+        messages = sum(count for _, count, _ in tp_messages(shape, micro_batch, seq, tp, stages, stage, gas,
+                                                             act_bytes, checkpointing, sp, cp))
+        return bus / intra + messages * cluster.latency_us * 1e-6
+
+    tp_seconds = _worst_rank(tp_stage_seconds, schedule, pp, v)
     u = ulysses_size(cp, comm, cp_a2a)  # the ranks of one all-to-all (c with Ulysses alone)
     cp_seconds = _worst_rank(lambda S, st: cp_bytes_per_step(shape, micro_batch, seq, tp, cp, S, st, gas, act_bytes,
                                                             checkpointing, comm, cp_a2a),

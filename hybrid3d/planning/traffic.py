@@ -77,40 +77,49 @@ from hybrid3d.planning.memory import TORCH, UNFUSED, aligned_numel, optimizer_wr
 TP_OPS = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor")
 
 
+def tp_messages(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int, act_bytes: int = 2,
+                recompute: bool = False, sequence_parallel: bool = False, cp: int = 1) -> list[tuple[str, int, int]]:
+    """The TP collectives one TP rank of `stage` logs per step, as (op of TP_OPS, how many, bytes each); none when
+    tp == 1: the all-reduces of plain TP, or SP's all-gathers (input shard x/t), reduce-scatters (input x) and
+    RMSNorm weight-gradient all-reduces (module docstring), x = b·(s/c)·h·act_bytes."""
+    s_c = sequence_chunk(s, tp, sequence_parallel, cp)
+    if tp == 1:
+        return []
+    h, d = shape.hidden_size, shape.head_dim
+    x = b * s_c * h * act_bytes
+    layers = stage_layer_count(shape, pp, stage)
+    first, last = int(stage == 0), int(stage == pp - 1)
+    # fp32 cross entropy: the max, then the target logit and the sum of exps in one message, per chunk of
+    # loss_chunk_tokens of the b·s/c tokens (`tensor_parallel.chunked_vocab_parallel_loss`; 0: one chunk)
+    tokens = b * s_c
+    chunk = shape.loss_chunk_tokens or tokens
+    messages = []
+    for count, rows in ((tokens // chunk, chunk), (1 if tokens % chunk else 0, tokens % chunk)):
+        messages += [("all_reduce", gas * last * count, rows * 4), ("all_reduce", gas * last * count, 2 * rows * 4)]
+    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v (and biases): their gradients are summed over TP
+        messages.append(("all_reduce", gas * layers, 2 * shape.num_kv_heads * d * (h + shape.qkv_bias) * act_bytes))
+    if shape.qk_norm:  # Qwen3's q/k norm weights: each rank's gradient covers its heads, summed over TP
+        messages.append(("all_reduce", gas * layers, 2 * d * act_bytes))
+    if not sequence_parallel:
+        forward = (2 * layers + first) * (2 if recompute else 1)
+        backward = 2 * layers + last  # last: the LM head's input gradient (f)
+        return messages + [("all_reduce", gas * (forward + backward), x)]
+    shard = b * (s_c // tp) * h * act_bytes
+    repeat = 2 if recompute else 0  # the blocks' forward all-gathers and reduce-scatters, again
+    gathers = layers * (2 + 4 + repeat) + first + 2 * last
+    scatters = layers * (2 + 2 + repeat) + first + last
+    norms = 2 * layers + last  # RMSNorm weight gradients
+    return messages + [("all_gather_into_tensor", gas * gathers, shard), ("reduce_scatter_tensor", gas * scatters, x),
+                       ("all_reduce", gas * norms, h * act_bytes)]
+
+
 def tp_bytes_by_op(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int, act_bytes: int = 2,
                    recompute: bool = False, sequence_parallel: bool = False, cp: int = 1) -> dict:
     """Logged TP-collective bytes of one TP rank of `stage` per step, by op (TP_OPS; all 0 when tp == 1):
-    the all-reduces of plain TP, or SP's all-gathers (input shard x/t), reduce-scatters (input x) and
-    RMSNorm weight-gradient all-reduces (module docstring), x = b·(s/c)·h·act_bytes."""
+    `tp_messages` summed."""
     ops = dict.fromkeys(TP_OPS, 0)
-    if tp == 1:
-        sequence_chunk(s, tp, sequence_parallel, cp)
-        return ops
-    h = shape.hidden_size
-    s_c = sequence_chunk(s, tp, sequence_parallel, cp)
-    x = b * s_c * h * act_bytes
-    layers = stage_layer_count(shape, pp, stage)
-    first, last = stage == 0, stage == pp - 1
-    cross_entropy = 3 * b * s_c * 4 if last else 0  # fp32: the max, then target logit and sum of exps in one
-    d = shape.head_dim
-    kv_grads = 0
-    if not kv_heads_split(shape.num_kv_heads, tp):  # replicated k/v (and biases): their gradients are summed over TP
-        kv_grads = layers * 2 * shape.num_kv_heads * d * (h + (1 if shape.qkv_bias else 0)) * act_bytes
-    if shape.qk_norm:  # Qwen3's q/k norm weights: each rank's gradient covers its heads, summed over TP
-        kv_grads += layers * 2 * d * act_bytes
-    if not sequence_parallel:
-        forward = 2 * layers * x + (x if first else 0) + cross_entropy
-        backward = 2 * layers * x + (x if last else 0) + kv_grads  # last: LM head input gradient (f)
-        ops["all_reduce"] = gas * (forward * (2 if recompute else 1) + backward)
-        return ops
-    shard = b * (s_c // tp) * h * act_bytes
-    repeat = 2 if recompute else 0  # the blocks' forward all-gathers and reduce-scatters, again
-    gathers = layers * (2 + 4 + repeat) + (1 if first else 0) + (2 if last else 0)
-    scatters = layers * (2 + 2 + repeat) + (1 if first else 0) + (1 if last else 0)
-    norms = (2 * layers + (1 if last else 0)) * h * act_bytes  # RMSNorm weight gradients
-    ops["all_gather_into_tensor"] = gas * gathers * shard
-    ops["reduce_scatter_tensor"] = gas * scatters * x
-    ops["all_reduce"] = gas * (norms + cross_entropy + kv_grads)
+    for op, count, size in tp_messages(shape, b, s, tp, pp, stage, gas, act_bytes, recompute, sequence_parallel, cp):
+        ops[op] += count * size
     return ops
 
 

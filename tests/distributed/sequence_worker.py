@@ -45,13 +45,14 @@ def saved_activation_bytes(forward, params) -> int:
     return out, sum(seen.values())
 
 
-def comm_bytes_by_caller(comms_dict) -> dict:
-    """{(op, caller): bytes} from the comms logger's records ('op | [Caller Func: f]': {size: [count, ...]})."""
+def comm_bytes_by_caller(comms_dict, messages: bool = False) -> dict:
+    """{(op, caller): bytes} from the comms logger's records ('op | [Caller Func: f]': {size: [count, ...]}), or
+    with `messages` {(op, caller): how many}."""
     out = {}
     for record, sizes in comms_dict.items():
         op, _, caller = record.partition(" | [Caller Func: ")
         key = (op.strip(), caller.rstrip("]"))
-        out[key] = out.get(key, 0) + sum(int(size) * entry[0] for size, entry in sizes.items())
+        out[key] = out.get(key, 0) + sum((1 if messages else int(size)) * entry[0] for size, entry in sizes.items())
     return out
 
 
@@ -87,6 +88,7 @@ def measure(run: dict, world: int) -> dict:
     trainer.train_step(data)
     comms_logger.enabled = comms_logger.prof_all = False
     report = {"activations": activations, "comms": comm_bytes_by_caller(comms_logger.comms_dict),
+              "messages": comm_bytes_by_caller(comms_logger.comms_dict, messages=True),
               "psi": sum(p.numel() for p in trainer.module.parameters())}
     del trainer
     gc.collect()

@@ -2,6 +2,8 @@
 against the memory model, and the collective bytes DeepSpeed's comms logger records against the traffic
 model, SP on/off and CP 1/2, in one spawned world of 2 ranks (bf16, one micro-batch per step)."""
 
+import dataclasses
+
 import pytest
 
 from hybrid3d.model import LlamaShape
@@ -12,6 +14,7 @@ from hybrid3d.planning.traffic import (
     dp_bytes_per_step,
     tp_bus_bytes,
     tp_bytes_by_op,
+    tp_messages,
 )
 from tests.distributed.worlds import run_world
 from tests.distributed.sequence_worker import MICRO_BATCH, SEQ, SHAPE, measure_runs
@@ -79,6 +82,12 @@ def test_tp_collectives_match_the_traffic_model(measured, run):
     model = {op: n for op, n in tp_bytes_by_op(shape, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1,
                                                 sequence_parallel=run["sp"]).items() if n}
     assert by_op(measured[run["name"]]["comms"], TP_CALLERS) == model
+    # and as many messages (what the planner's per-message latency counts): the chunked loss's per chunk
+    counts = {}
+    chunked = dataclasses.replace(shape, loss_chunk_tokens=run.get("chunk", 0))
+    for op, count, _ in tp_messages(chunked, MICRO_BATCH, SEQ, run["tp"], 1, 0, 1, sequence_parallel=run["sp"]):
+        counts[op] = counts.get(op, 0) + count
+    assert by_op(measured[run["name"]]["messages"], TP_CALLERS) == {op: n for op, n in counts.items() if n}
 
 
 def test_sp_moves_the_bus_bytes_of_tp_plus_the_backward_regathers(measured):

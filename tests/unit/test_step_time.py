@@ -85,3 +85,15 @@ def test_planner_ranks_by_the_same_estimate(llama2_7b):
                                   c.precision, c.checkpointing)
         assert (c.step_seconds, c.pipe_seconds) == (step.seconds, step.pipe)
         assert (c.pipe_seconds > 0) == (c.pp > 1)
+
+
+def test_each_tp_message_adds_the_collectives_latency(llama2_7b):
+    # t 2, one stage of 32 blocks, m 2: per micro-batch 2·32 + 1 (embedding) forward all-reduces, 2·32 + 1 (head
+    # input) backward, 2 for the cross entropy: 132 messages, 264 a step; with SP 2·32·(2 + 4) + 1 + 2 all-gathers,
+    # 32·(2 + 2) + 1 + 1 reduce-scatters, 2·32 + 1 norm all-reduces and 2 for the cross entropy: 195 + 130 + 65 + 2 =
+    # 392, 784 a step.
+    base, slow = Cluster(gpus=2, gpu_memory_gb=80), Cluster(gpus=2, gpu_memory_gb=80, latency_us=1000.0)
+    for sp, messages in ((False, 264), (True, 784)):
+        steps = [estimate_step_time(llama2_7b, c, 2, 1, 1, 1, 1, 2, 4096, sequence_parallel=sp) for c in (base, slow)]
+        assert steps[1].tp - steps[0].tp == pytest.approx(messages * 1e-3)
+        assert steps[1].compute == steps[0].compute and steps[1].dp == steps[0].dp
