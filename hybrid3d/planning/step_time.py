@@ -21,7 +21,8 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it),
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
     pp comm  = slots · max over pipeline ranks of one micro-batch's
-               [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth]
+               [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth
+                + its sends, receives and all-gathers · the latency of one]
     optimizer = the parameters a rank steps (its stages' Ψ, / d·c when ZeRO shards the master) · the bytes Adam
                reads and writes per parameter (`OPTIMIZER_BYTES`) / memory bandwidth: the step is memory-bound
                (a handful of FLOPs per 28-36 bytes moved): about 1% of a 7B step on H100s, several percent on CPUs.
@@ -65,6 +66,7 @@ from hybrid3d.planning.traffic import (
     dp_bytes_per_step,
     pp_boundary_bytes,
     pp_gather_bytes_per_step,
+    pp_message_bytes,
     ring_bytes_per_layer,
     tp_bus_bytes,
     tp_bytes_by_op,
@@ -155,7 +157,8 @@ def pipe_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int,
                  sequence_parallel: bool = False, schedule: str = "1f1b", virtual: int = 1) -> float:
     """slots · the slowest pipeline rank's traffic per micro-batch (module docstring, pp comm): at each boundary
     of its stages whose neighbour stage is on another rank, the activation and its gradient, plus (1F1B) the
-    pipeline all-gathers. The interleaved and DualPipeV schedules send whole activations (partitioning off)."""
+    pipeline all-gathers, each message also costing `Cluster.latency_us`. The interleaved and DualPipeV schedules
+    send whole activations (partitioning off)."""
     if pp == 1:
         return 0.0
     if schedule != "1f1b":
@@ -172,7 +175,9 @@ def pipe_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int,
         gathers = pp_gather_bytes_per_step(shape, micro_batch, seq, tp, pp, r, 1, act_bytes, pipe_partitioned,
                                            grad_partitioned, sequence_parallel)
         gather = gathers * (tp - 1) / (cluster.intra_node_gbps * GB)
-        slowest = max(slowest, p2p + gather)
+        messages = 2 * len(neighbours) + (gathers // pp_message_bytes(shape, micro_batch, seq, tp, act_bytes)
+                                          if gathers else 0)
+        slowest = max(slowest, p2p + gather + messages * cluster.latency_us * 1e-6)
     return pipeline_slots(schedule, pp, gas, virtual) * slowest
 
 

@@ -97,3 +97,12 @@ def test_each_tp_message_adds_the_collectives_latency(llama2_7b):
         steps = [estimate_step_time(llama2_7b, c, 2, 1, 1, 1, 1, 2, 4096, sequence_parallel=sp) for c in (base, slow)]
         assert steps[1].tp - steps[0].tp == pytest.approx(messages * 1e-3)
         assert steps[1].compute == steps[0].compute and steps[1].dp == steps[0].dp
+
+
+def test_each_pipeline_message_adds_the_latency(llama2_7b):
+    # t 2, p 4, d 2 (as test_pipeline_seconds_by_hand): a middle stage sends and receives an activation and a
+    # gradient at each of its 2 boundaries (4 messages) and runs 3 pipeline all-gathers a micro-batch: 7, over
+    # m + p - 1 = 11 slots.
+    base, slow = Cluster(gpus=16, gpu_memory_gb=80), Cluster(gpus=16, gpu_memory_gb=80, latency_us=1000.0)
+    steps = [estimate_step_time(llama2_7b, c, 2, 4, 2, 1, micro_batch=1, gas=8, seq=4096) for c in (base, slow)]
+    assert steps[1].pipe - steps[0].pipe == pytest.approx(11 * 7 * 1e-3)
