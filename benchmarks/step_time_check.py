@@ -35,7 +35,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import run_world  # noqa: E402
+from common import environment, environment_markdown, run_world  # noqa: E402
 from vs_peers import LAYOUTS, MODEL, REDUCE_BUCKET  # noqa: E402
 
 from hybrid3d.model import LlamaShape  # noqa: E402
@@ -113,6 +113,7 @@ def main(argv=None):
     shape = LlamaShape.from_hf(LlamaConfig(**MODEL))
     flops_per_token = training_flops_per_token(shape, seq)
     cores = os.cpu_count() or 1
+    env = environment()
     tp_numel = micro * seq * shape.hidden_size
     # fp32 elements of each message: a bf16 TP message is as many bytes as tp_numel / 2 fp32 ones
     sizes = [tp_numel // 2, tp_numel, 16 * tp_numel // 2, 16 * tp_numel, REDUCE_BUCKET]
@@ -175,11 +176,11 @@ def main(argv=None):
     out_dir = os.path.dirname(os.path.abspath(args.vs_peers_json))
     with open(os.path.join(out_dir, "step_time.md"), "w") as f:
         f.write("\n".join(["# The planner's step-time estimate against measured step times", "",
-                           f"- command: `python benchmarks/step_time_check.py {args.vs_peers_json}`",
+                           environment_markdown(env, f"python benchmarks/step_time_check.py {args.vs_peers_json}"),
                            f"- measured rows: `{measured['command']}` (commit {measured['environment']['commit']})",
                            "", summary, "", table, ""]))
     with open(os.path.join(out_dir, "step_time.json"), "w") as f:
-        json.dump({"rows": out, "tp_fits_seconds_and_bus_bytes_per_s": {f"{p}@{g}of{w}": f
+        json.dump({"environment": env, "rows": out, "tp_fits_seconds_and_bus_bytes_per_s": {f"{p}@{g}of{w}": f
                                                                          for (w, g, p), f in fits.items()},
                    "dp_bucket_bus_bytes_per_s": {f"{g}of{w}": b for (w, g), b in bucket.items()},
                    "copy_bytes_per_s_a_rank": memory,
