@@ -10,6 +10,7 @@ import gc
 import glob
 import os
 import sys
+import time
 from pathlib import Path
 
 from hybrid3d.checkpoint.experts import check_expert_checkpoints
@@ -156,6 +157,18 @@ def main_in_world(argv) -> int:
     return _main(argv, in_existing_world=True)
 
 
+# How long a launched rank other than 0 waits, after finding a user error before start-up, for rank 0 to print it
+RANK0_REPORT_GRACE_S = 60.0
+
+
+def wait_for_rank0_to_report() -> None:
+    """DeepSpeed's launcher ends every rank as soon as one exits non-zero (`launcher/launch.py: sigkill_handler`),
+    so a rank that found the error first would end rank 0 before its one line is printed (seen under load). The
+    other ranks wait instead: rank 0 prints and exits with the same code, and the launcher ends them then. A rank
+    still waiting after RANK0_REPORT_GRACE_S found an error rank 0 did not (a file only its node lacks)."""
+    time.sleep(RANK0_REPORT_GRACE_S)
+
+
 def _main(argv, in_existing_world: bool) -> int:
     args, overrides = None, None
     rank = int(os.environ.get("RANK", "0"))
@@ -166,6 +179,9 @@ def _main(argv, in_existing_world: bool) -> int:
     except UserError as e:
         if rank == 0:  # every rank found the same error; one line is enough
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif not in_existing_world:
+            wait_for_rank0_to_report()  # usually ended here by the launcher, once rank 0 has reported
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)  # rank 0 found none: say it here
         return e.exit_code
     if not in_existing_world:
         use_single_process_world()  # `python launch/train.py`: the variables the launcher would set, for one rank

@@ -160,6 +160,22 @@ def test_bad_input_exits_2_with_one_line(tmp_path, monkeypatch, capsys, case, ed
     assert not (tmp_path / "out").exists()
 
 
+def test_other_ranks_leave_the_error_line_to_rank_0(tmp_path, monkeypatch, capsys):
+    """DeepSpeed's launcher ends every rank when one exits non-zero, so a rank other than 0 waits for rank 0 to print
+    the one line (and is ended meanwhile); one still there after the grace period says it itself."""
+    from hybrid3d.training import entry
+
+    waits = []
+    monkeypatch.setattr(entry, "wait_for_rank0_to_report", lambda: waits.append(True))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    config = write_config(tmp_path, lambda c: h(c)["train"].update(stepz=3))
+    assert main(["--deepspeed_config", str(config)]) == 2
+    assert waits == [True]
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error (rank 1): hybrid3d.train.stepz is not a known key") and "\n" not in err, err
+
+
 def test_kv_heads_and_context_parallel_size_must_divide_one_another():
     from transformers import LlamaConfig
 
