@@ -6,17 +6,27 @@ dS = P ∘ (dP - rowsum(dO ∘ O))).
 - `CpuFlashBlocks`: torch's fused flash-attention kernel for CPUs and its backward, which take and return the
   log-sum-exp (`_scaled_dot_product_flash_attention_for_cpu`).
 - `ExplicitBlocks`: the same arithmetic written out in fp32 on any device, in tiles of query rows so that a tile's
-  (b, h, rows, nk) scores stay under `TILE_BYTES`. It is what a ring runs on GPUs: torch's GPU flash and
-  memory-efficient kernels return the log-sum-exp too, but their backward entry points are not wired here yet.
+  (b, h, rows, nk) scores stay under `TILE_BYTES`.
+- `CudaBlocks`: torch's memory-efficient attention kernel (`_scaled_dot_product_efficient_attention` and its
+  backward, called as torch's own ring attention calls them: `torch.distributed.tensor.experimental.
+  _context_parallel`) for the unmasked blocks (whole or causal) whose rows are a multiple of 32 (the kernel pads
+  its log-sum-exp to 32 rows), explicit tiles for the rest (documents, windows: the kernel's additive bias has
+  alignment rules of its own). Before its first use on a device, dtype and head size it is checked against
+  `ExplicitBlocks` on a small block, forward and backward; a kernel that fails the check or raises is not used
+  again (one warning) and the explicit tiles run instead.
 
 Every kernel takes q (b, h, nq, d) and k/v (b, h, nk, d) (kv heads already repeated to h), `causal` for a block of
 a segment against itself (nq = nk, key j visible to query i iff j <= i), `bias` an additive mask broadcastable to
 (b, h, nq, nk) or None, and the softmax scale 1/sqrt(d).
 """
 
+import functools
+import logging
 import math
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 TILE_BYTES = 64 * 2**20  # one tile of fp32 scores (b, h, rows, nk) in ExplicitBlocks
 
@@ -61,7 +71,7 @@ class ExplicitBlocks:
     """Blockwise attention in explicit fp32 arithmetic, any device. A row that sees no key gets log-sum-exp -inf
     and output 0. Gradients come back in fp32."""
 
-    LABEL = "explicit fp32 tiles (no fused GPU kernel wired yet)"
+    LABEL = "explicit fp32 tiles"
 
     @staticmethod
     def forward(q, k, v, causal: bool, bias):
@@ -94,6 +104,72 @@ class ExplicitBlocks:
         return dq, dk, dv
 
 
+def _efficient_forward(q, k, v, causal: bool):
+    """torch's memory-efficient kernel: (out (b, h, nq, d) in q's dtype, lse (b, h, nq) fp32)."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal)
+    return out, lse[..., :q.shape[2]]
+
+
+def _efficient_backward(grad_out, q, k, v, out, lse, causal: bool):
+    """Its backward given the merged output and log-sum-exp; without dropout the Philox seed and offset go unused
+    (as the forward returns them then: empty int64 scalars on the host)."""
+    unused = torch.empty((), dtype=torch.int64)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        grad_out.contiguous(), q, k, v, None, out.contiguous(), lse.contiguous(), unused, unused, 0.0,
+        [True, True, True, False], causal)
+    return dq, dk, dv
+
+
+@functools.lru_cache(maxsize=None)  # one check per (device, dtype, head size) in a process
+def fused_blocks_verified(device: str, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether the fused kernel matches `ExplicitBlocks` on this device: a (1, 2, 64, head_dim) block, whole and
+    causal, output, log-sum-exp and the three gradients within the dtype's rounding (fp32 2e-4, else 2e-2)."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    q, k, v, grad_out = (torch.randn(1, 2, 64, head_dim, device=device, generator=generator).to(dtype)
+                         for _ in range(4))
+    tolerance = 2e-4 if dtype == torch.float32 else 2e-2
+    try:
+        for causal in (False, True):
+            out, lse = _efficient_forward(q, k, v, causal)
+            ref_out, ref_lse = ExplicitBlocks.forward(q, k, v, causal, None)
+            grads = _efficient_backward(grad_out, q, k, v, out, lse, causal)
+            ref_grads = ExplicitBlocks.backward(grad_out, q, k, v, out, lse, causal, None)
+            for got, want in zip((out, lse, *grads), (ref_out, ref_lse, *ref_grads)):
+                torch.testing.assert_close(got.float(), want.float(), rtol=tolerance, atol=tolerance)
+    except (RuntimeError, AssertionError) as e:
+        logger.warning("ring attention: torch's memory-efficient kernel is not used on %s (%s, head size %d): %s; "
+                       "its blocks run as explicit fp32 tiles", device, dtype, head_dim, str(e).splitlines()[0])
+        return False
+    return True
+
+
+class CudaBlocks:
+    """Unmasked blocks of 32k rows through torch's memory-efficient kernel once `fused_blocks_verified`, the
+    others (and every block where it failed) as `ExplicitBlocks`."""
+
+    LABEL = "torch's memory-efficient kernel, checked at first use (explicit fp32 tiles for masked blocks)"
+
+    @staticmethod
+    def _fused(q, bias) -> bool:
+        return (bias is None and q.shape[2] % 32 == 0
+                and fused_blocks_verified(str(q.device), q.dtype, q.shape[-1]))
+
+    @staticmethod
+    def forward(q, k, v, causal: bool, bias):
+        if CudaBlocks._fused(q, bias):
+            return _efficient_forward(q, k, v, causal)
+        return ExplicitBlocks.forward(q, k, v, causal, bias)
+
+    @staticmethod
+    def backward(grad_out, q, k, v, out, lse, causal: bool, bias):
+        if CudaBlocks._fused(q, bias):
+            return _efficient_backward(grad_out, q, k, v, out, lse, causal)
+        return ExplicitBlocks.backward(grad_out, q, k, v, out, lse, causal, bias)
+
+
 def block_kernel(device: torch.device):
-    """The kernel a ring's blocks run on `device`: torch's fused flash kernel on CPUs, explicit fp32 elsewhere."""
-    return CpuFlashBlocks if device.type == "cpu" else ExplicitBlocks
+    """The kernel a ring's blocks run on `device`: torch's fused flash kernel on CPUs, its memory-efficient kernel
+    (where it passes its check) on CUDA devices, explicit fp32 tiles elsewhere."""
+    if device.type == "cpu":
+        return CpuFlashBlocks
+    return CudaBlocks if device.type == "cuda" else ExplicitBlocks

@@ -6,9 +6,9 @@ SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved
                    "dpv 'dualpipev'; - no pipeline")
 COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ranks; p2p ring attention over them;\n"
                "a2aU+p2p Ulysses over U of them (context_parallel_a2a_size) around a ring over cp/U; - no CP")
-# parallel/attention_blocks.block_kernel: a ring's blocks on GPUs are explicit fp32 tiles, not a fused kernel
-RING_NOTE = ("note: on GPUs the trainer runs ring attention's blocks (p2p, a2aU+p2p) as explicit fp32 tiles, no "
-             "fused kernel yet (parallel/attention_blocks.py): ring rows' step times assume a fused kernel's speed")
+# parallel/attention_blocks.block_kernel: a ring's masked blocks on GPUs are explicit fp32 tiles, not a fused kernel
+RING_NOTE = ("note: on GPUs ring attention (p2p, a2aU+p2p) runs its masked blocks (documents, sliding windows) as "
+             "explicit fp32 tiles (parallel/attention_blocks.py): ring rows' step times assume a fused kernel's speed")
 
 
 def _refused_lines(refused: list[str]) -> list[str]:

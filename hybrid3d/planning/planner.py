@@ -38,7 +38,8 @@ head limit, and it may cross nodes: its sends then take the inter-node link), an
 divisor of c below c that Ulysses allows (a % (t·u), k_t and u dividing one another, t·u | GPUs per node;
 `layouts.hybrid_a2a_size`). A ring rank keeps its kv heads unrepeated (`activations.cp_kv_heads`) and the
 step time adds its sends (`step_time.ring_seconds`, an upper bound: not overlapped). On GPUs the trainer
-runs a ring's blocks as explicit fp32 tiles, not a fused kernel (`parallel/attention_blocks.py`): the table says so.
+runs a ring's masked blocks as explicit fp32 tiles, not a fused kernel (`parallel/attention_blocks.py`): the table
+says so.
 
 LoRA (`--lora-rank r`, `--lora-targets`; the shape's `lora_rank`, `lora_targets`): the memory model counts the
 frozen base in bf16 and the adapters as the trained parameters (`memory.lora_model_states`); ZeRO-2 with p > 1

@@ -195,10 +195,12 @@ def test_attention_reaches_a_fused_kernel(monkeypatch, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", ["causal", "documents"])
 def test_ring_blocks_match_sdpa_on_the_device(monkeypatch, case):
-    """The kernel a ring's blocks run on this device (`attention_blocks.block_kernel`: explicit fp32 tiles on GPUs),
-    forward and backward given the output and log-sum-exp, against SDPA's autograd at Llama-3.2-1B's head shape,
-    fp32, with the rows cut into several tiles. One GPU runs no ring (NCCL takes one rank a device): the ring's
-    merge and hops around these blocks are tested on CPU (tests/distributed/test_ring_attention.py)."""
+    """The kernel a ring's blocks run on this device (`attention_blocks.block_kernel`: on GPUs torch's memory-
+    efficient kernel for the causal block, explicit fp32 tiles for the masked one), forward and backward given the
+    output and log-sum-exp, against SDPA's autograd at Llama-3.2-1B's head shape, fp32, the explicit rows cut into
+    several tiles; on a GPU the fused kernel must pass its own first-use check in fp32 and bf16. One GPU runs no
+    ring (NCCL takes one rank a device): the ring's merge and hops around these blocks are tested on CPU
+    (tests/distributed/test_ring_attention.py)."""
     import torch.nn.functional as F
 
     from hybrid3d.parallel import attention_blocks
@@ -219,6 +221,9 @@ def test_ring_blocks_match_sdpa_on_the_device(monkeypatch, case):
     ref = F.scaled_dot_product_attention(*leaves, attn_mask=bias, is_causal=causal)
     ref.backward(dout)
     monkeypatch.setattr(attention_blocks, "TILE_BYTES", 4 * b * heads * s * 100)  # tiles of 100 query rows
+    if not ON_CPU:
+        assert all(attention_blocks.fused_blocks_verified(str(device), dtype, d)
+                   for dtype in (torch.float32, torch.bfloat16))
     out, lse = kernel.forward(q, k, v, causal, bias)
     grads = kernel.backward(dout, q, k, v, ref.detach(), lse, causal, bias)
     torch.testing.assert_close(out.float(), ref.detach(), rtol=1e-4, atol=1e-5)

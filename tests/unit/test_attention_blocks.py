@@ -97,3 +97,50 @@ def test_the_explicit_kernel_tiles_its_rows(monkeypatch):
     q = torch.zeros(2, 3, 24, 8)
     assert [(t.start, t.stop) for t in attention_blocks._row_tiles(q, 24)] == [(0, 12), (12, 24)]
     assert len(attention_blocks._row_tiles(q, 240)) == 24  # one row a tile when a row alone passes the budget
+
+
+def _emulated_efficient(calls, broken=False):
+    """torch's memory-efficient kernel's two entry points, emulated on the CPU for CudaBlocks' plumbing: its log-sum-
+    exp padded to 32 rows as the CUDA kernel pads it; `broken` scales the output, as a kernel that fails the check."""
+
+    def forward(q, k, v, causal):
+        calls.append("fused")
+        out, lse = CpuFlashBlocks.forward(q, k, v, causal, None)
+        padded = torch.nn.functional.pad(lse, (0, -lse.shape[-1] % 32), value=float("nan"))
+        return out * (1.5 if broken else 1.0), padded[..., :q.shape[2]]
+
+    def backward(grad_out, q, k, v, out, lse, causal):
+        return CpuFlashBlocks.backward(grad_out, q, k, v, out, lse, causal, None)
+
+    return forward, backward
+
+
+@pytest.mark.parametrize("broken", [False, True], ids=["passes-its-check", "fails-its-check"])
+def test_cuda_blocks_take_the_fused_kernel_only_where_it_holds(monkeypatch, caplog, broken):
+    """Unmasked blocks of 32k rows go to the fused kernel once it passes its check against the explicit one; masked
+    and unaligned blocks, and every block when the check fails (one warning), run as explicit tiles. Either way
+    the results are SDPA's."""
+    calls = []
+    forward, backward = _emulated_efficient(calls, broken)
+    monkeypatch.setattr(attention_blocks, "_efficient_forward", forward)
+    monkeypatch.setattr(attention_blocks, "_efficient_backward", backward)
+    attention_blocks.fused_blocks_verified.cache_clear()
+    assert attention_blocks.fused_blocks_verified("cpu", torch.float32, 8) is not broken  # the check, run once
+    kernel = attention_blocks.CudaBlocks
+    for n, case in ((32, "causal"), (24, "causal"), (32, "documents")):
+        q, k, v, dout = _inputs(n=n)
+        causal = case == "causal"
+        bias = None if causal else _document_bias(n, q.shape[0])
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        ref = F.scaled_dot_product_attention(*leaves, attn_mask=bias, is_causal=causal)
+        ref.backward(dout)
+        calls.clear()
+        out, lse = kernel.forward(q, k, v, causal, bias)
+        grads = kernel.backward(dout, q, k, v, ref.detach(), lse, causal, bias)
+        assert calls == (["fused"] if (n, case) == (32, "causal") and not broken else []), (n, case, calls)
+        torch.testing.assert_close(out.float(), ref.detach(), rtol=1e-5, atol=1e-6)
+        for name, got, leaf in zip("qkv", grads, leaves):
+            torch.testing.assert_close(got.float(), leaf.grad, rtol=1e-5, atol=1e-6, msg=name)
+    warnings = [r for r in caplog.records if "memory-efficient kernel is not used" in r.getMessage()]
+    assert len(warnings) == (1 if broken else 0)
+    attention_blocks.fused_blocks_verified.cache_clear()

@@ -88,4 +88,5 @@ def test_the_layout_line_names_the_ring_and_its_block_kernel():
     layout = validate_run(config(context_parallel_comm="p2p", tensor_parallel_size=2), 4, SIX_HEADS).layout
     assert sequence_split(layout, 64, "cpu") == (" (32 tokens per rank: context_parallel_size 2 (p2p, ring blocks: "
                                                  "torch's fused CPU flash kernel))")
-    assert "ring blocks: explicit fp32 tiles (no fused GPU kernel wired yet)" in sequence_split(layout, 64, "cuda")
+    assert "ring blocks: torch's memory-efficient kernel, checked at first use" in sequence_split(layout, 64, "cuda")
+    assert "ring blocks: explicit fp32 tiles)" in sequence_split(layout, 64, "xpu")

@@ -135,5 +135,5 @@ def test_cli_prints_ring_rows_and_the_note(capsys):
              if len(line.split()) == len(header) and line.split()[0].isdigit()]
     assert len(table) == 10 and header[:5] == ["seq", "tp", "pp", "cp", "comm"]
     assert any(row["comm"] == "p2p" for row in table) and any(row["comm"].endswith("+p2p") for row in table)
-    notes = [line for line in lines if "ring attention" in line and "explicit fp32 tiles" in line]
+    notes = [line for line in lines if "ring attention" in line and "masked blocks" in line]
     assert len(notes) == 1 and "assume a fused kernel" in notes[0]
