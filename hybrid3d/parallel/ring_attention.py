@@ -15,7 +15,7 @@ dS = P ∘ (dP - rowsum(dO ∘ O))).
 Each rank's tokens come in segments of consecutive positions (its chunks, or with a2a+p2p their parts), so a key
 segment is wholly before a query segment (attended whole), the same one (causal) or after it (skipped): each block
 is one call of a block kernel that returns the log-sum-exp (parallel/attention_blocks.py: torch's fused flash
-kernel on CPUs, explicit fp32 tiles on GPUs).
+kernel on CPUs; on CUDA GPUs its memory-efficient kernel for unmasked blocks, explicit fp32 tiles for masked ones).
 
 Packed documents and sliding windows (`BlockMask`): a key segment none of whose keys a query segment may see (another
 document, or outside the window) is left out of the block, and a block with none left is skipped; the rest run with
