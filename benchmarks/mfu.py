@@ -15,6 +15,11 @@ steps), achieved TFLOP/s per device and MFU against the device's dense bf16 peak
 
     python benchmarks/mfu.py                      # on a GPU machine: results/<date>-<machine>/mfu.md
     python benchmarks/mfu.py --smoke              # the same code on the CPU accelerator, tiny shape
+    python benchmarks/mfu.py --variants compiled chunked-loss   # also hybrid3d with those options, side by side
+
+Variants (`--variants`), each one more hybrid3d system in the same round-robin: `compiled` (`hybrid3d.compile`,
+inductor: each decoder block compiled, the first warm-up step pays the compilation) and `chunked-loss`
+(`hybrid3d.loss_chunk_tokens` 4096: the head and cross entropy 4096 tokens at a time, no (b, s, V) logits).
 """
 
 import argparse
@@ -35,6 +40,9 @@ from common import environment, environment_markdown, median, results_dir, run_w
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
 SYSTEMS = ("hybrid3d", "hf-deepspeed")
+# hybrid3d with one option more: the "hybrid3d" section's extra keys
+VARIANTS = {"compiled": {"compile": {"enabled": True, "backend": "inductor"}},
+            "chunked-loss": {"loss_chunk_tokens": 4096}}
 
 
 def hf_config(args):
@@ -82,12 +90,12 @@ def build(system: str, args):
     world = dist.get_world_size()
     config = hf_config(args)
     torch.manual_seed(0)
-    if system == "hybrid3d":
+    if system.startswith("hybrid3d"):
         from hybrid3d.model import LlamaShape
         from common import build_trainer_from_json
 
-        trainer = build_trainer_from_json(ds_config(args, world, {"hybrid3d": {"tensor_parallel_size": 1}}),
-                                LlamaShape.from_hf(config))
+        section = {"tensor_parallel_size": 1, **VARIANTS.get(system.removeprefix("hybrid3d+"), {})}
+        trainer = build_trainer_from_json(ds_config(args, world, {"hybrid3d": section}), LlamaShape.from_hf(config))
         module = trainer.module
         return trainer.engine, lambda ids, t: module.loss_fn(trainer.engine(ids), t)
     model = LlamaForCausalLM(config)
@@ -111,7 +119,7 @@ def run_system(system: str, args) -> dict:
     accelerator.reset_peak_memory_stats()
     engine, loss_fn = build(system, args)
     device = engine.device
-    vocab = engine.module.shape.vocab_size if system == "hybrid3d" else engine.module.config.vocab_size
+    vocab = engine.module.shape.vocab_size if system.startswith("hybrid3d") else engine.module.config.vocab_size
     generator = torch.Generator().manual_seed(dist.get_rank())
     batches = [torch.randint(0, vocab, (args.micro_batch, args.seq_length + 1), generator=generator)
                for _ in range(args.gas)]
@@ -144,10 +152,14 @@ def run_system(system: str, args) -> dict:
     return result
 
 
+def systems(args) -> list[str]:
+    return [*SYSTEMS, *(f"hybrid3d+{v}" for v in args.variants)]
+
+
 def world_main(rank, world_size, args):
-    out = {system: {"repeat_medians": [], "peak_memory": 0} for system in SYSTEMS}
+    out = {system: {"repeat_medians": [], "peak_memory": 0} for system in systems(args)}
     for _ in range(args.repeats):
-        for system in SYSTEMS:
+        for system in systems(args):
             result = run_system(system, args)
             entry = out[system]
             entry["repeat_medians"].append(median(result["step_times"]))
@@ -163,7 +175,7 @@ def summarize(results: dict, world: int, args, shape, peak) -> list[dict]:
     flops = training_flops_per_token(shape, args.seq_length)
     rows = []
     base = results["hf-deepspeed"]["repeat_medians"]
-    for system in SYSTEMS:
+    for system in systems(args):
         entry = results[system]
         step = median(entry["repeat_medians"])
         tps = tokens / step
@@ -208,6 +220,8 @@ def main():
                         help="DeepSpeed's FusedAdam (JIT-built) or torch.optim.AdamW")
     parser.add_argument("--worlds", type=int, nargs="*", help="world sizes (default: 1 and every device)")
     parser.add_argument("--smoke", action="store_true", help="tiny shape on the CPU accelerator (checks the code)")
+    parser.add_argument("--variants", nargs="*", default=[], choices=list(VARIANTS),
+                        help="hybrid3d with these options too, side by side")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
     command = "python benchmarks/mfu.py " + " ".join(sys.argv[1:])

@@ -7,7 +7,8 @@
 # Installs the carried wheels and this checkout, records the machine, then runs the attention probe (the SDPA
 # kernel, time and memory of each mask case: benchmarks/attention_probe.py), the host-sync audit of two steps of a
 # dense and a MoE model (benchmarks/sync_audit.py), the GPU tier (tests/gpu: the layout matrix against HF on the
-# GPUs present, a shrunk GPU recipe through the real launcher, verify, resume) and benchmarks/mfu.py; every result lands under $OUT (default gpu_check_out/), each step's exit code in
+# GPUs present, a shrunk GPU recipe through the real launcher, verify, resume, ring attention's block kernels) and
+# benchmarks/mfu.py, then mfu.py with compiled blocks and the chunked loss; every result lands under $OUT (default gpu_check_out/), each step's exit code in
 # $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
 # The lease is 15 minutes with the machine's start, and the device returns at most 8 files: every step's limit is
 # cut to what is left of GPU_CHECK_SECONDS (default 500), and the results are packed into $OUT/gpu_check.tar.gz
@@ -57,8 +58,13 @@ step sync_audit 90 $PY benchmarks/sync_audit.py $SMOKE --out "$RESULTS/sync"
 step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
 if [ $CPU = 1 ]; then
   step mfu 240 $PY benchmarks/mfu.py --smoke --out "$RESULTS/mfu"
+  step mfu_variants 240 $PY benchmarks/mfu.py --smoke --variants compiled chunked-loss --out "$RESULTS/mfu_variants"
 else  # torch's fused AdamW: DeepSpeed's would JIT-build for a minute of the lease first
   step mfu 180 $PY benchmarks/mfu.py --optimizer torch-fused --repeats 2 --steps 4 --out "$RESULTS/mfu"
+  # compiled blocks and the chunked loss beside plain hybrid3d (issue: faster and leaner pipelines), last: a
+  # deadline cut here loses only this table
+  step mfu_variants 200 $PY benchmarks/mfu.py --optimizer torch-fused --repeats 1 --steps 3 \
+    --variants compiled chunked-loss --out "$RESULTS/mfu_variants"
 fi
 tar -C "$(dirname "$RESULTS")" -czf "$OUT/gpu_check.tar.gz" gpu_check
 cp "$RESULTS/steps.txt" "$RESULTS/machine.txt" "$OUT/"
