@@ -22,13 +22,18 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (1, 2, 1), (2, 2, 1), (1, 1, 2), (2, 1, 2), (1,
            (4, 1, 1)]
 
 
+# Layouts that also run without ZeRO (DeepSpeed's plain optimizer, and with a pipeline its clipping over stages,
+# hybrid3d.ds_internals.pipeline_clip): one of each kind, TP alone x PP, DP with TP, DP with PP, and none.
+ZERO0_LAYOUTS = {(1, 1, 1), (2, 2, 1), (2, 1, 2), (1, 2, 2)}
+
+
 def zero_stages(tp: int, pp: int, dp: int) -> tuple:
-    """The ZeRO stages a layout runs at: 0, 1 and 2 without a pipeline, 0 and 1 with one (ZeRO-2 with stages is
-    hybrid3d.pipeline_zero2, tests/distributed/test_pipeline_zero2.py). ZeRO-2 over one data-parallel rank
-    partitions nothing ZeRO-1 does not, so it runs where d = 2; TP4's subject is the split, so it runs at ZeRO-1."""
-    if tp == 4:
-        return (1,)
-    return (0, 1) if pp > 1 or dp == 1 else (0, 1, 2)
+    """The ZeRO stages a layout runs at: 1 everywhere; 0 at ZERO0_LAYOUTS (and tied-TP1-PP2-DP1-Z0 below); 2
+    without a pipeline where d = 2 (ZeRO-2 over one data-parallel rank partitions nothing ZeRO-1 does not; ZeRO-2
+    with stages is hybrid3d.pipeline_zero2, tests/distributed/test_pipeline_zero2.py). TP4's subject is the split,
+    so it runs at ZeRO-1 only."""
+    stages = ((0,) if (tp, pp, dp) in ZERO0_LAYOUTS else ()) + (1,)
+    return stages + ((2,) if pp == 1 and dp == 2 else ())
 
 
 def matrix_runs():
@@ -40,7 +45,7 @@ def matrix_runs():
     for tp, pp, dp in [(1, 2, 1), (1, 4, 1), (2, 2, 2)]:
         runs.append(dict(name=f"tied-TP{tp}-PP{pp}-DP{dp}-Z1", case="tied", tp=tp, pp=pp, zero=1, world=tp * pp * dp))
     # fp32 without ZeRO in a pipeline: the clipping of hybrid3d.ds_internals.pipeline_clip (a tied weight on
-    # two stages; replicated norms on every stage: TP2-PP2-DP2-Z0 above)
+    # two stages; norms replicated over TP on every stage: TP2-PP2-DP1-Z0 above)
     runs.append(dict(name="tied-TP1-PP2-DP1-Z0", case="tied", tp=1, pp=2, zero=0, world=2))
     return runs
 
