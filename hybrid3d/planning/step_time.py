@@ -66,7 +66,7 @@ from hybrid3d.planning.traffic import (
     dp_bytes_per_step,
     pp_boundary_bytes,
     pp_gather_bytes_per_step,
-    pp_message_bytes,
+    pp_gathers_per_micro_batch,
     ring_bytes_per_layer,
     tp_bus_bytes,
     tp_bytes_by_op,
@@ -175,8 +175,8 @@ def pipe_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int,
         gathers = pp_gather_bytes_per_step(shape, micro_batch, seq, tp, pp, r, 1, act_bytes, pipe_partitioned,
                                            grad_partitioned, sequence_parallel)
         gather = gathers * (tp - 1) / (cluster.intra_node_gbps * GB)
-        messages = 2 * len(neighbours) + (gathers // pp_message_bytes(shape, micro_batch, seq, tp, act_bytes)
-                                          if gathers else 0)
+        messages = 2 * len(neighbours) + pp_gathers_per_micro_batch(tp, pp, r, pipe_partitioned, grad_partitioned,
+                                                                    sequence_parallel)
         slowest = max(slowest, p2p + gather + messages * cluster.latency_us * 1e-6)
     return pipeline_slots(schedule, pp, gas, virtual) * slowest
 

@@ -258,19 +258,25 @@ def pp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage
     return gas * pipe_boundaries(pp, stage) * boundary
 
 
-def pp_gather_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
-                             act_bytes: int = 2, pipe_partitioned: bool = True,
-                             grad_partitioned: bool = True, sequence_parallel: bool = False) -> int:
-    """Logged pipeline all-gather bytes (the input slice, b·s·h/t) of one TP rank of `stage` per step:
-    the stage's input and its own output when activations are partitioned, the received gradient when
-    gradients are (see the module docstring). 0 without a pipeline, without TP or with SP (no partitioning)."""
+def pp_gathers_per_micro_batch(tp: int, pp: int, stage: int, pipe_partitioned: bool = True,
+                                grad_partitioned: bool = True, sequence_parallel: bool = False) -> int:
+    """Pipeline all-gathers one TP rank of `stage` runs per micro-batch: the stage's input and its own output
+    when activations are partitioned, the received gradient when gradients are (see the module docstring).
+    0 without a pipeline, without TP or with SP (no partitioning)."""
     if sequence_parallel:
         return 0
     _check_partitioning(pipe_partitioned, grad_partitioned)
     if pp == 1 or tp == 1:
         return 0
-    slice_bytes = pp_message_bytes(shape, b, s, tp, act_bytes)
     sender = stage < pp - 1
     gathers = pipe_boundaries(pp, stage) if pipe_partitioned else 0  # input (receiver), output (sender)
-    gathers += 1 if grad_partitioned and sender else 0  # the gradient from the next stage
-    return gas * gathers * slice_bytes
+    return gathers + (1 if grad_partitioned and sender else 0)  # the gradient from the next stage
+
+
+def pp_gather_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,
+                             act_bytes: int = 2, pipe_partitioned: bool = True,
+                             grad_partitioned: bool = True, sequence_parallel: bool = False) -> int:
+    """Logged pipeline all-gather bytes of one TP rank of `stage` per step: `pp_gathers_per_micro_batch` of the
+    input slice, b·s·h/t, each."""
+    gathers = pp_gathers_per_micro_batch(tp, pp, stage, pipe_partitioned, grad_partitioned, sequence_parallel)
+    return gas * gathers * pp_message_bytes(shape, b, s, tp, act_bytes) if gathers else 0
