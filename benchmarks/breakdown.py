@@ -33,7 +33,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import (CALLER_CLASSES, environment, environment_markdown, random_batches, require_matplotlib,  # noqa: E402
+from common import (CALLER_CLASSES, command_line, environment, environment_markdown, random_batches, require_matplotlib,  # noqa: E402
                     results_dir, run_world)
 from vs_peers import LAYOUTS, MODEL, PRECISIONS, build, peer_layout_of, system_tp_pp  # noqa: E402
 
@@ -155,7 +155,7 @@ def main(argv=None):
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     require_matplotlib(parser)
-    command = "python benchmarks/breakdown.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("breakdown.py", argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rows = []

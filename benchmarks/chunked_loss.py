@@ -14,24 +14,16 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import environment, environment_markdown, median, random_batches, results_dir, run_world, timed  # noqa: E402
+from common import (bf16_zero1_config, environment_markdown, median, random_batches, run_world,  # noqa: E402
+                    start_results, timed)
 
 SHAPE = dict(vocab_size=32768, hidden_size=256, intermediate_size=704, num_layers=2, num_heads=4, num_kv_heads=2,
              head_dim=64)
 
 
 def ds_config(chunk: int, args) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "bf16": {"enabled": True},  # the activation model's dtype
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": 1, "pipeline_parallel_size": 1, "loss_chunk_tokens": chunk,
-                     "data": {"seq_length": args.seq}},
-    }
+    return bf16_zero1_config(args.micro_batch, 1, {"tensor_parallel_size": 1, "pipeline_parallel_size": 1,
+                                                   "loss_chunk_tokens": chunk, "data": {"seq_length": args.seq}})
 
 
 def world_main(rank, world_size, chunks, args):
@@ -73,10 +65,7 @@ def main(argv=None):
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    command = "python benchmarks/chunked_loss.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out_dir = results_dir(args.out)
-    os.makedirs(out_dir, exist_ok=True)
-    env = environment()
+    command, out_dir, env = start_results("chunked_loss.py", argv, args.out)
     chunks = [0, args.chunk]
     with tempfile.TemporaryDirectory() as tmp:
         result = run_world(world_main, 1, tmp, chunks, args)[0]
@@ -91,8 +80,8 @@ def main(argv=None):
         row["step_vs_whole"] = round(row["step_s"] / base["step_s"], 3)
         row["saved_reduction_MiB"] = round(base["saved_MiB"] - row["saved_MiB"], 2)
     with open(os.path.join(out_dir, "chunked_loss.json"), "w") as f:
-        json.dump(dict(env=env, command=command.strip(), shape=SHAPE, rows=rows), f, indent=1)
-    lines = ["# The LM head and cross entropy in chunks", "", environment_markdown(env, command.strip()), "",
+        json.dump(dict(env=env, command=command, shape=SHAPE, rows=rows), f, indent=1)
+    lines = ["# The LM head and cross entropy in chunks", "", environment_markdown(env, command), "",
              f"Shape: {json.dumps(SHAPE)}; micro-batch {args.micro_batch}, sequence {args.seq}, bf16 (fp32 masters), one rank; "
              f"the (b·s, V) fp32 probabilities are {logits / 2**20:.1f} MiB; medians of {args.repeats} interleaved "
              "repeats.", "",

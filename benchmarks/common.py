@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import subprocess
+import sys
 import time
 
 import torch
@@ -120,6 +121,40 @@ def machine_name() -> str:
 
 def results_dir(root: str) -> str:
     return os.path.join(root, f"{datetime.date.today().isoformat()}-{machine_name()}")
+
+
+def command_line(script: str, argv=None) -> str:
+    """How a benchmark was run, for its results: `python benchmarks/<script> <arguments>` (`argv`, or the
+    process's own)."""
+    return " ".join(["python", f"benchmarks/{script}", *(sys.argv[1:] if argv is None else argv)])
+
+
+def start_results(script: str, argv, out_root: str) -> tuple[str, str, dict]:
+    """(`command_line`, the results folder under `out_root` (created), `environment()`), the environment read now,
+    before the measurements start: the commit and tree they ran on."""
+    out_dir = results_dir(out_root)
+    os.makedirs(out_dir, exist_ok=True)
+    return command_line(script, argv), out_dir, environment()
+
+
+def int_list(text: str) -> list[int]:
+    """argparse type of a comma-separated list of integers: "2,4" -> [2, 4]."""
+    return [int(x) for x in text.split(",") if x]
+
+
+def bf16_zero1_config(micro_batch: int, gas: int, hybrid: dict) -> dict:
+    """A DeepSpeed JSON of bf16 weights with fp32 masters and gradient accumulation (ZeRO-1, torch's AdamW), the
+    precision the activation and memory models count, with the "hybrid3d" section `hybrid`."""
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": gas,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        "bf16": {"enabled": True},
+        "data_types": {"grad_accum_dtype": "fp32"},
+        "zero_optimization": {"stage": 1},
+        "steps_per_print": 10**9,
+        "hybrid3d": hybrid,
+    }
 
 
 def environment() -> dict:

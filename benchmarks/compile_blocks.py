@@ -14,24 +14,16 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import environment, environment_markdown, median, random_batches, results_dir, run_world, timed  # noqa: E402
+from common import (bf16_zero1_config, environment_markdown, int_list, median, random_batches, run_world,  # noqa: E402
+                    start_results, timed)
 
 SHAPE = dict(vocab_size=8192, hidden_size=512, intermediate_size=1408, num_layers=4, num_heads=8, num_kv_heads=4,
              head_dim=64)
 
 
 def ds_config(tp: int, compiled: bool, args) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "bf16": {"enabled": True},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": tp, "compile": {"enabled": compiled, "backend": "inductor"},
-                     "data": {"seq_length": args.seq}},
-    }
+    return bf16_zero1_config(args.micro_batch, 1, {"tensor_parallel_size": tp, "data": {"seq_length": args.seq},
+                                                   "compile": {"enabled": compiled, "backend": "inductor"}})
 
 
 def world_main(rank, world_size, args):
@@ -57,18 +49,15 @@ def world_main(rank, world_size, args):
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tp", default="1,2", help="tensor-parallel sizes; one world of t ranks each")
+    parser.add_argument("--tp", type=int_list, default="1,2", help="tensor-parallel sizes; one world of t ranks each")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=512)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    command = "python benchmarks/compile_blocks.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out_dir = results_dir(args.out)
-    os.makedirs(out_dir, exist_ok=True)
-    env = environment()
+    command, out_dir, env = start_results("compile_blocks.py", argv, args.out)
     rows = []
-    for tp in [int(t) for t in args.tp.split(",") if t]:
+    for tp in args.tp:
         with tempfile.TemporaryDirectory() as tmp:
             result = run_world(world_main, tp, tmp, args)[0]
         eager = median(result[False]["step_times"])
@@ -78,8 +67,8 @@ def main(argv=None):
                              first_step_s=round(result[compiled]["first_step"], 1),
                              vs_eager=round(step / eager, 3)))
     with open(os.path.join(out_dir, "compile_blocks.json"), "w") as f:
-        json.dump(dict(env=env, command=command.strip(), shape=SHAPE, rows=rows), f, indent=1)
-    lines = ["# Decoder blocks eager and compiled", "", environment_markdown(env, command.strip()), "",
+        json.dump(dict(env=env, command=command, shape=SHAPE, rows=rows), f, indent=1)
+    lines = ["# Decoder blocks eager and compiled", "", environment_markdown(env, command), "",
              f"Shape: {json.dumps(SHAPE)}; micro-batch {args.micro_batch}, sequence {args.seq}, bf16, ZeRO-1, "
              f"torch.compile (inductor) per block; medians of {args.repeats} interleaved repeats.", "",
              "| TP | blocks | step s | vs eager | first step s (with compilation) |", "|---|---|---|---|---|"]

@@ -21,6 +21,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
+    command_line,
     environment,
     environment_markdown,
     measure_second_step,
@@ -176,7 +177,7 @@ def main(argv=None):
                       seq=args.seq_length, micro_batch=args.micro_batch, global_batch=args.global_batch)
     runs = [dict(common_run, name="full", lora_rank=0),
             dict(common_run, name=f"lora-r{args.lora_rank}", lora_rank=args.lora_rank)]
-    command = "python benchmarks/lora_vs_full.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("lora_vs_full.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
     rows = summarize(runs, {run["name"]: [rank[run["name"]] for rank in ranks] for run in runs})

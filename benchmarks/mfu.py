@@ -35,7 +35,7 @@ import torch.nn.functional as F
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import environment, environment_markdown, median, results_dir, run_world  # noqa: E402
+from common import command_line, environment, environment_markdown, median, results_dir, run_world  # noqa: E402
 
 SMOKE_SHAPE = dict(vocab_size=512, hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
                    num_key_value_heads=2, max_position_embeddings=256)
@@ -224,7 +224,7 @@ def main():
                         help="hybrid3d with these options too, side by side")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args()
-    command = "python benchmarks/mfu.py " + " ".join(sys.argv[1:])
+    command = command_line("mfu.py", None)
     if args.smoke:
         os.environ["DS_ACCELERATOR"] = "cpu"
         args.seq_length, args.gas, args.steps, args.warmup, args.repeats = min(args.seq_length, 128), 2, 2, 1, 2

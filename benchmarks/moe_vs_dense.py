@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
     classify_comms,
+    command_line,
     environment,
     environment_markdown,
     measure_second_step,
@@ -230,7 +231,7 @@ def main(argv=None):
         shape, pp, ep, one_backward = CONFIGS[name]
         runs.append(dict(name=name, shape=shape, pp=pp, ep=ep, one_backward=one_backward, world=args.world,
                          seq=args.seq_length, micro_batch=args.micro_batch, global_batch=args.global_batch))
-    command = "python benchmarks/moe_vs_dense.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("moe_vs_dense.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
     rows = summarize(runs, {run["name"]: [rank[run["name"]] for rank in ranks] for run in runs})

@@ -25,7 +25,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import environment, environment_markdown, median, random_batches, require_matplotlib, results_dir, run_world  # noqa: E402,E501
+from common import (environment_markdown, int_list, median, random_batches, require_matplotlib, run_world,  # noqa: E402
+                    start_results)
 
 # 8 decoder blocks: 4 stages of 2 at PP2 x v2 and PP4 (DualPipeV), 8 of 1 at PP4 x v2.
 SHAPE = dict(vocab_size=2048, hidden_size=256, intermediate_size=704, num_layers=8, num_heads=4, num_kv_heads=2,
@@ -257,8 +258,9 @@ def write(out_dir: str, table: list[dict], env: dict, command: str, args, pictur
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--pp", default="2,4", help="pipeline sizes; one world of p ranks each")
-    parser.add_argument("--micro-batches", default="4,8,16", help="values of m (gradient accumulation steps)")
+    parser.add_argument("--pp", type=int_list, default="2,4", help="pipeline sizes; one world of p ranks each")
+    parser.add_argument("--micro-batches", type=int_list, default="4,8,16",
+                        help="values of m (gradient accumulation steps)")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=3)
@@ -267,18 +269,13 @@ def parse_args(argv=None):
     args = parser.parse_args(argv)
     require_matplotlib(parser)
     if args.quick:
-        args.pp, args.micro_batches, args.repeats = "2", "4,8", 2
-    args.pp = [int(x) for x in args.pp.split(",") if x]
-    args.micro_batches = [int(x) for x in args.micro_batches.split(",") if x]
+        args.pp, args.micro_batches, args.repeats = [2], [4, 8], 2
     return args
 
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python benchmarks/pipeline_schedules.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out_dir = results_dir(args.out)
-    os.makedirs(out_dir, exist_ok=True)
-    env = environment()  # the commit and tree the measurements ran on, read before they start
+    command, out_dir, env = start_results("pipeline_schedules.py", argv, args.out)
     table, pictures = [], []
     for p in args.pp:
         runs = configs(p, args.micro_batches)
@@ -288,7 +285,7 @@ def main(argv=None):
         pictures.append(draw_timelines(out_dir, runs, ranks, p, max(m for m in args.micro_batches if m >= 2 * p)
                                        if any(m >= 2 * p for m in args.micro_batches) else args.micro_batches[-1]))
     pictures.append(draw_bubbles(out_dir, table))
-    write(out_dir, table, env, command.strip(), args, pictures)
+    write(out_dir, table, env, command, args, pictures)
     for row in table:
         print(f"{row['config']:<26} formula {row['formula']:.3f}  stages {row['stage_simulated']:.3f}  "
               f"measured {row['measured']:.3f}  "

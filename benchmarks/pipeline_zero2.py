@@ -33,6 +33,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
     caller_of,
+    command_line,
+    int_list,
     environment,
     environment_markdown,
     measure_second_step,
@@ -215,14 +217,13 @@ def write(out_dir: str, table: list[dict], env: dict, command: str, args) -> Non
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--dp", default="2,4", help="data-parallel degrees; the world is 2 x dp ranks")
+    parser.add_argument("--dp", type=int_list, default="2,4", help="data-parallel degrees; the world is 2 x dp ranks")
     parser.add_argument("--fractions", default="0.25,0.5,0.75,1", help="pipeline_zero2_deferred_fraction values")
     parser.add_argument("--gas", type=int, default=4)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
-    args.dp = [int(x) for x in args.dp.split(",") if x]
     args.fractions = [float(x) for x in args.fractions.split(",") if x]
     return args
 
@@ -230,14 +231,14 @@ def parse_args(argv=None):
 def main(argv=None):
     args = parse_args(argv)
     runs = configs(args.fractions)
-    command = "python benchmarks/pipeline_zero2.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("pipeline_zero2.py", argv)
     table = []
     for dp in args.dp:
         with tempfile.TemporaryDirectory() as tmp:
             ranks = run_world(world_main, 2 * dp, tmp, runs, args)
         table += rows(dp, runs, ranks, args)
     out_dir = results_dir(args.out)
-    write(out_dir, table, environment(), command.strip(), args)
+    write(out_dir, table, environment(), command, args)
     print(f"results in {out_dir}")
 
 

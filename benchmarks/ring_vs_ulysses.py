@@ -21,6 +21,7 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
+    command_line,
     environment,
     environment_markdown,
     median,
@@ -134,7 +135,7 @@ def main(argv=None):
         args.steps, args.repeats = 3, 2
     env = environment()
     runs = [dict(name=name, world=args.world, seq=args.seq_length) for name in COMMS]
-    command = "python benchmarks/ring_vs_ulysses.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("ring_vs_ulysses.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
         ranks = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
     rows = []

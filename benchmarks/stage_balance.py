@@ -20,7 +20,8 @@ import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from common import environment, environment_markdown, median, random_batches, results_dir, run_world, timed  # noqa: E402
+from common import (bf16_zero1_config, environment_markdown, int_list, median, random_batches, run_world,  # noqa: E402
+                    start_results, timed)
 from pipeline_schedules import stage_pass_times, step_bubble  # noqa: E402
 
 SHAPE = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=8, num_heads=4, num_kv_heads=2,
@@ -34,17 +35,8 @@ def configs(p: int, ms: list[int]) -> list[dict]:
 
 
 def ds_config(run: dict, args) -> dict:
-    return {
-        "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": run["m"],
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
-        "bf16": {"enabled": True},
-        "data_types": {"grad_accum_dtype": "fp32"},
-        "zero_optimization": {"stage": 1},
-        "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": 1, "pipeline_parallel_size": run["p"],
-                     "partition_method": run["partition"]},
-    }
+    return bf16_zero1_config(args.micro_batch, run["m"], {"tensor_parallel_size": 1, "pipeline_parallel_size": run["p"],
+                                                          "partition_method": run["partition"]})
 
 
 def world_main(rank, world_size, runs, args):
@@ -121,31 +113,26 @@ def write(out_dir: str, table: list, env: dict, command: str, args) -> None:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--pp", default="2,4", help="pipeline sizes; one world of p ranks each")
-    parser.add_argument("--micro-batches", default="4,8", help="values of m (gradient accumulation steps)")
+    parser.add_argument("--pp", type=int_list, default="2,4", help="pipeline sizes; one world of p ranks each")
+    parser.add_argument("--micro-batches", type=int_list, default="4,8",
+                        help="values of m (gradient accumulation steps)")
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
-    args = parser.parse_args(argv)
-    args.pp = [int(x) for x in args.pp.split(",") if x]
-    args.micro_batches = [int(x) for x in args.micro_batches.split(",") if x]
-    return args
+    return parser.parse_args(argv)
 
 
 def main(argv=None):
     args = parse_args(argv)
-    command = "python benchmarks/stage_balance.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    out_dir = results_dir(args.out)
-    os.makedirs(out_dir, exist_ok=True)
-    env = environment()  # the commit and tree the measurements ran on, read before they start
+    command, out_dir, env = start_results("stage_balance.py", argv, args.out)
     table = []
     for p in args.pp:
         runs = configs(p, args.micro_batches)
         with tempfile.TemporaryDirectory() as tmp:
             ranks = run_world(world_main, p, tmp, runs, args)
         table += rows(runs, ranks, args)
-    write(out_dir, table, env, command.strip(), args)
+    write(out_dir, table, env, command, args)
     for r in table:
         print(f"{r['config']:<16} bounds {r['bounds']}  FLOPs {r['flops_share']}  pass ms {r['stage_pass_ms']}  "
               f"step {r['step_s']:.3f} s ({r['step_vs_count']:.3f}x)  bubble {r['measured']:.3f} vs "

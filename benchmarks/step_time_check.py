@@ -171,7 +171,7 @@ def main(argv=None):
                + "; DP bucket bus bandwidth: " + ", ".join(f"{g} of {w} ranks {b / 1e9:.2f} GB/s"
                                                           for (w, g), b in sorted(bucket.items()))
                + "; copy bandwidth a rank: " + ", ".join(f"{w} ranks {b / 1e9:.1f} GB/s" for w, b in memory.items())
-               + f"; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
+               + "; compute rate from plain PyTorch: " + ", ".join(f"{p} {v / 1e9:.1f} GFLOP/s" for p, v in plain.items())
                + f" on {cores} cores. Median |error| {statistics.median(errors):.0%}, largest {max(errors):.0%}.")
     out_dir = os.path.dirname(os.path.abspath(args.vs_peers_json))
     with open(os.path.join(out_dir, "step_time.md"), "w") as f:

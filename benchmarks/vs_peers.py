@@ -30,6 +30,7 @@ import torch.nn.functional as F
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
 from common import (  # noqa: E402
+    command_line,
     environment,
     environment_markdown,
     median,
@@ -277,7 +278,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 2
-    command = "python benchmarks/vs_peers.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("vs_peers.py", argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
     results_by_world = {}

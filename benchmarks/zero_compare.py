@@ -25,6 +25,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
     classify_comms,
+    command_line,
+    int_list,
     environment,
     measure_second_step,
     median,
@@ -142,7 +144,7 @@ def parse_args(argv=None):
     parser.add_argument("--quick", action="store_true", help="the default CPU set, 2 repeats x 3 steps")
     parser.add_argument("--sizes", default="S,M")
     parser.add_argument("--layouts", default="DP4,TP2xDP2,PP2xDP2,TP2xPP2")
-    parser.add_argument("--zero", default="0,1,2")
+    parser.add_argument("--zero", type=int_list, default="0,1,2")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16+fp32acc", "fp32"))
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=128)
@@ -159,7 +161,6 @@ def parse_args(argv=None):
         args.steps, args.repeats = 3, 2
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.layouts = [s for s in args.layouts.split(",") if s]
-    args.zero = [int(z) for z in args.zero.split(",") if z]
     for name in args.sizes:
         if name not in SIZES:
             parser.error(f"unknown size {name} (known: {', '.join(SIZES)})")
@@ -174,7 +175,7 @@ def main(argv=None):
 
     args = parse_args(argv)
     runs = plan_runs(args)
-    command = "python benchmarks/zero_compare.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    command = command_line("zero_compare.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
         results = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
     out_dir = results_dir(args.out)
