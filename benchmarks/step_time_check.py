@@ -5,12 +5,13 @@ The estimate needs a machine: its compute rate and its all-reduce bandwidth. Bot
 not assumed:
 - compute: the FLOP rate of vs_peers' plain single-process PyTorch row (6N + 12·L·h·s per token x
   tokens/s) on all cores; a rank of a world of n ranks on those cores gets 1/n of it (n >= cores);
-- TP collectives: the latency α and bus bandwidth B (2(g - 1)/g · bytes / time, the planner's convention) of a
-  gloo all-reduce over groups of g = t ranks in a spawned world of each size, every group at once, 20 back to
+- TP collectives: the latency α and bus bandwidth B (2(g - 1)/g · bytes / time, the planner's convention) of the
+  TP layers' all-reduce (DeepSpeed's shared-memory kernel where the group is the world, gloo otherwise) over
+  groups of g = t ranks in a spawned world of each size, every group at once, 20 back to
   back as a step issues them, median of 10: Hockney's t(n) = α + 2(g-1)/g · n/B through the layout's TP message
   (b·s·h activations in the precision's bytes) and one 16x larger. They give the planner's `latency_us` and
   TP bandwidth; the pipeline's sends use that bandwidth too.
-- DP: the bus bandwidth of one DP reduce bucket over groups of g = d ranks, measured the same way.
+- DP: the bus bandwidth of one DP reduce bucket over groups of g = d ranks, through gloo as ZeRO reduces it.
 - memory bandwidth: each rank of a spawned world of each size copies a 64 MiB fp32 tensor while the others do
   (read + write bytes / time, median of 10), for the optimizer part.
 The planner's own parts (compute, bubble, TP, DP, pipeline traffic, the optimizer's memory traffic) are then
@@ -44,25 +45,31 @@ from hybrid3d.planning.memory import GB  # noqa: E402
 from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
 
 
-def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: int) -> list:
+def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: int, as_tp: bool) -> list:
     """Seconds per fp32 all-reduce of each of `sizes` elements over groups of `group_size` consecutive ranks, every
     group at once (as TP and DP groups run side by side): 20 back to back, as a step issues them, median of
-    `repeats`."""
+    `repeats`. `as_tp`: through the TP layers' own call (`tp_all_reduce`: DeepSpeed's shared-memory kernel where
+    the group is the whole world on one host), else through gloo as DeepSpeed's ZeRO reduces buckets."""
     import deepspeed.comm as dist
+
+    from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
+    from hybrid3d.parallel.rank_groups import TensorParallelGroup
+    from hybrid3d.parallel.tensor_parallel.mappings import tp_all_reduce
 
     groups = [dist.new_group(list(range(first, first + group_size))) for first in range(0, world_size, group_size)]
     group = groups[rank // group_size]
+    tp = TensorParallelGroup(group, rank % group_size, group_size, shm_all_reduce=as_tp and shm_all_reduce_spans(group))
     seconds = []
     for numel in sizes:
         x = torch.ones(numel)
         for _ in range(3):
-            dist.all_reduce(x, group=group)
+            tp_all_reduce(x, tp)
         times = []
         for _ in range(repeats):
             dist.barrier()
             start = time.perf_counter()
             for _ in range(20):
-                dist.all_reduce(x, group=group)
+                tp_all_reduce(x, tp)
             times.append((time.perf_counter() - start) / 20)
         seconds.append(statistics.median(times))
     return seconds
@@ -116,20 +123,25 @@ def main(argv=None):
     env = environment()
     tp_numel = micro * seq * shape.hidden_size
     # fp32 elements of each message: a bf16 TP message is as many bytes as tp_numel / 2 fp32 ones
-    sizes = [tp_numel // 2, tp_numel, 16 * tp_numel // 2, 16 * tp_numel, REDUCE_BUCKET]
-    groups = sorted({(w, g) for w, t, p, _ in LAYOUTS.values() for g in (t, w // (t * p)) if g > 1})
-    seconds, memory = {}, {}  # (world, group size) -> seconds of each of sizes; world -> copy bytes/s a rank
+    sizes = [tp_numel // 2, tp_numel, 16 * tp_numel // 2, 16 * tp_numel]
+    tp_groups = sorted({(w, t) for w, t, p, _ in LAYOUTS.values() if t > 1} | {(w, 2) for w, *_ in LAYOUTS.values()})
+    dp_groups = sorted({(w, w // (t * p)) for w, t, p, _ in LAYOUTS.values() if w > t * p})
+    seconds, bucket_seconds, memory = {}, {}, {}  # (world, group size) -> seconds; world -> copy bytes/s a rank
     with tempfile.TemporaryDirectory() as tmp:
-        for world, g in groups:
-            seconds[world, g] = run_world(all_reduce_seconds, world, os.path.join(tmp, f"ar{world}-{g}"), g, sizes, 10)[0]
-        for world in sorted({w for w, _ in groups}):
+        for world, g in tp_groups:
+            seconds[world, g] = run_world(all_reduce_seconds, world, os.path.join(tmp, f"tp{world}-{g}"), g, sizes, 10,
+                                          True)[0]
+        for world, g in dp_groups:
+            bucket_seconds[world, g] = run_world(all_reduce_seconds, world, os.path.join(tmp, f"dp{world}-{g}"), g,
+                                                 [REDUCE_BUCKET], 10, False)[0][0]
+        for world in sorted({w for w, _ in tp_groups + dp_groups}):
             memory[world] = statistics.median(run_world(copy_bandwidth, world, os.path.join(tmp, f"mem{world}"),
                                                         16 * 2**20, 10))
     fits = {}  # (world, g, precision) -> (α s, B bus bytes/s) of the TP message
     for (world, g), t in seconds.items():
         for k, precision in enumerate(("bf16", "fp32")):
             fits[world, g, precision] = latency_and_bandwidth(g, (sizes[k] * 4, t[k]), (sizes[k + 2] * 4, t[k + 2]))
-    bucket = {(w, g): 2 * (g - 1) / g * REDUCE_BUCKET * 4 / t[-1] for (w, g), t in seconds.items()}
+    bucket = {(w, g): 2 * (g - 1) / g * REDUCE_BUCKET * 4 / t for (w, g), t in bucket_seconds.items()}
     rows, plain = measured["rows"], {}
     for r in rows:
         if r["system"].startswith("plain"):
@@ -165,7 +177,7 @@ def main(argv=None):
                      f"{o['optimizer']:.4f} | {o['error']:+.0%} |")
     table = "\n".join(lines)
     errors = [abs(o["error"]) for o in out]
-    summary = ("Measured gloo all-reduces, TP message fits (α, B): "
+    summary = ("Measured all-reduces, TP message fits (α, B; shared memory where the TP group is the world): "
                + ", ".join(f"{p} over {g} of {w} ranks α {a * 1e3:.2f} ms, B {b / 1e9:.2f} GB/s"
                            for (w, g, p), (a, b) in sorted(fits.items()))
                + "; DP bucket bus bandwidth: " + ", ".join(f"{g} of {w} ranks {b / 1e9:.2f} GB/s"

@@ -5,7 +5,8 @@ that DeepSpeed may change in any release (PipelineEngine's instruction table and
 in pipeline_zero2.py, the interleaved schedule's module and engine in interleaved_pipeline.py, the fp32
 pipeline's gradient clipping in pipeline_clip.py, optimizer buffers in memory_probe.py, the expert groups
 and the engine's MoE detection in experts.py, the backward pass of tuple-output stages in tuple_backward.py,
-the checkpoint engine's file writes in durable_save.py, the CPU shared-memory segments in shm_buffers.py,
+the checkpoint engine's file writes in durable_save.py, the CPU shared-memory segments in shm_buffers.py and
+when their all-reduce may serve a group in shm_all_reduce.py,
 the process groups and engines a run leaves behind in process_groups.py, the Muon module's import-time
 `torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
 universal_convert.py, the comms logger's calling functions in comms_callers.py, the engine's optimizer step

@@ -5,6 +5,7 @@ from deepspeed.runtime.pipe.topology import PipelineParallelGrid
 
 from hybrid3d.ds_internals import grid_topology
 from hybrid3d.ds_internals.experts import create_expert_groups
+from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
 from hybrid3d.errors import LayoutError
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
@@ -146,9 +147,10 @@ class ProcessGroups:
         """What the TP layers need: the slice group, this rank's place in it, and whether activations
         between TP regions are split along the sequence."""
         size = self.get_tensor_model_parallel_world_size()
-        return TensorParallelGroup(group=self.get_tensor_model_parallel_group() if size > 1 else None,
-                                   rank=self.get_tensor_model_parallel_rank(), size=size,
-                                   sequence_parallel=self.layout.sp)
+        group = self.get_tensor_model_parallel_group() if size > 1 else None
+        return TensorParallelGroup(group=group, rank=self.get_tensor_model_parallel_rank(), size=size,
+                                   sequence_parallel=self.layout.sp,
+                                   shm_all_reduce=size > 1 and shm_all_reduce_spans(group))
 
     def context_parallel(self) -> ContextParallelGroup:
         """What attention and the loss need for context parallelism (a group of one without it)."""

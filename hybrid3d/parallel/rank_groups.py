@@ -36,6 +36,9 @@ class TensorParallelGroup(_RankGroup):
     """
 
     sequence_parallel: bool = False
+    # SUM all-reduces may take DeepSpeed's CPU shared-memory kernel: the group is the whole world, on one host
+    # (ds_internals/shm_all_reduce.py)
+    shm_all_reduce: bool = False
     KIND: ClassVar[str] = "tensor-parallel"
 
     def __post_init__(self):

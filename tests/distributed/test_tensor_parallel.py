@@ -182,6 +182,8 @@ def world_checks(rank, world_size, model_dirs, batch):
             "dp_rank": groups.get_data_parallel_rank(),
             "tp_group_ranks": sorted(_group_ranks(groups.get_tensor_model_parallel_group(), dist)),
             "dp_group_ranks": groups.get_data_parallel_group_ranks(),
+            "shm_all_reduce": tp.shm_all_reduce,
+            "shm_kernel_level": getattr(dist.comm.cdb, "shm_vector_kernel_level", 0),
             "layers": layer_checks(tp),
             "rng": rng_draws(tp),
         }
@@ -232,6 +234,12 @@ def test_group_wiring(world):
     assert [r["TP2-PP2-DP1"]["stage_id"] for r in ranks] == [0, 0, 1, 1]
     assert {r["TP2-PP2-DP1"]["model_parallel_size"] for r in ranks} == {4}  # DeepSpeed's pipe x TP
     assert {r["TP2-PP2-DP1"]["pipe_size"] for r in ranks} == {2}
+    # TP4 is the whole world on one host: its sums take DeepSpeed's shared-memory kernel (fp32 needs avx2,
+    # which every x86-64 CI machine has), so the equivalence tests below check that path; TP2 x DP2's go
+    # through gloo, which DeepSpeed's kernel cannot serve (it reduces over the world whatever the group)
+    assert [r["TP4-PP1-DP1"]["shm_all_reduce"] for r in ranks] == [True] * 4
+    assert min(r["TP4-PP1-DP1"]["shm_kernel_level"] for r in ranks) >= 1
+    assert [r["TP2-PP1-DP2"]["shm_all_reduce"] for r in ranks] == [False] * 4
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

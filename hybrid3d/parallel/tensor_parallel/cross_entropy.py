@@ -7,21 +7,14 @@ once the max is). Padded vocabulary columns (index >= vocab_size) are masked to 
 so they change neither the loss nor the gradients.
 """
 
-import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 from deepspeed.comm import ReduceOp
 
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
-from hybrid3d.parallel.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence
+from hybrid3d.parallel.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence, tp_all_reduce
 
 IGNORE_INDEX = -100
-
-
-def _all_reduce(x, tp, op=ReduceOp.SUM):
-    if tp.size > 1:
-        dist.all_reduce(x, op=op, group=tp.group)
-    return x
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -31,7 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z = _without_padding(logits.float(), tp, vocab_size, owned=logits.dtype != torch.float32)
 
         z_max = z.max(dim=-1).values
-        _all_reduce(z_max, tp, ReduceOp.MAX)
+        tp_all_reduce(z_max, tp, ReduceOp.MAX)
         z = z - z_max.unsqueeze(-1)
 
         local_target, outside = _local_targets(target, tp, logits.shape[-1])
@@ -41,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         exp_z = z.exp_()
         sums = torch.stack((z_target, exp_z.sum(dim=-1)))  # (2, b, s): one all-reduce for both sums
-        _all_reduce(sums, tp)
+        tp_all_reduce(sums, tp)
         z_target, sum_exp = sums[0], sums[1]
 
         ignored = target == ignore_index
@@ -101,11 +94,11 @@ class _ChunkedVocabParallelLoss(torch.autograd.Function):
         for part in _chunks(rows.shape[0], chunk):
             z = _chunk_logits(rows[part], weight, tp, vocab_size)  # (c, V/t) fp32, padding -inf
             z_max = z.max(dim=-1).values
-            _all_reduce(z_max, tp, ReduceOp.MAX)
+            tp_all_reduce(z_max, tp, ReduceOp.MAX)
             local, outside = _local_targets(targets[part], tp, weight.shape[0])
             z_target = torch.where(outside, 0.0, z.gather(-1, local.unsqueeze(-1)).squeeze(-1) - z_max)
             sums = torch.stack((z_target, (z - z_max.unsqueeze(-1)).exp_().sum(dim=-1)))  # (2, c): one all-reduce
-            _all_reduce(sums, tp)
+            tp_all_reduce(sums, tp)
             loss[part] = (sums[1].log() - sums[0]).masked_fill(targets[part] == ignore_index, 0.0)
             lse[part] = z_max + sums[1].log()
         ctx.save_for_backward(x, weight, target, lse)
@@ -135,7 +128,7 @@ class _ChunkedVocabParallelLoss(torch.autograd.Function):
         if tp.sequence_parallel:
             grad_x = reduce_scatter_sequence(grad_full, tp)
         else:
-            grad_x = _all_reduce(grad_full, tp)  # every rank's vocabulary slice contributes to each token's input
+            grad_x = tp_all_reduce(grad_full, tp)  # every rank's vocabulary slice contributes to each token's input
         grad_weight = grad_weight.to(weight.dtype) if ctx.needs_input_grad[1] else None
         return grad_x, grad_weight, None, None, None, None, None
 

@@ -19,15 +19,22 @@ All collectives go through `deepspeed.comm` so DeepSpeed's comms logger counts t
 
 import deepspeed.comm as dist
 import torch
+from deepspeed.comm import ReduceOp
 
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
 
 
-def _all_reduce(x: torch.Tensor, tp: TensorParallelGroup) -> torch.Tensor:
+def tp_all_reduce(x: torch.Tensor, tp: TensorParallelGroup, op=ReduceOp.SUM) -> torch.Tensor:
+    """`x` reduced over TP, in place where it is contiguous (the result is returned either way). A SUM takes
+    DeepSpeed's shared-memory kernel where the group allows it (`tp.shm_all_reduce`); the comms logger records
+    an all_reduce either way."""
     if tp.size == 1:
         return x
     x = x.contiguous()
-    dist.all_reduce(x, group=tp.group)
+    if tp.shm_all_reduce and op == ReduceOp.SUM:
+        dist.inference_all_reduce(x, group=tp.group)
+    else:
+        dist.all_reduce(x, op=op, group=tp.group)
     return x
 
 
@@ -98,7 +105,7 @@ class _CopyToTPRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.tp), None
+        return tp_all_reduce(grad.clone(), ctx.tp), None
 
 
 class _ReduceFromTPRegion(torch.autograd.Function):
@@ -108,9 +115,9 @@ class _ReduceFromTPRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, tp):
         if not x.is_contiguous():
-            return _all_reduce(x.contiguous(), tp)
+            return tp_all_reduce(x.contiguous(), tp)
         ctx.mark_dirty(x)
-        return _all_reduce(x, tp)
+        return tp_all_reduce(x, tp)
 
     @staticmethod
     def backward(ctx, grad):
