@@ -9,8 +9,12 @@ not assumed:
   TP layers' all-reduce (DeepSpeed's shared-memory kernel where the group is the world, gloo otherwise) over
   groups of g = t ranks in a spawned world of each size, every group at once, 20 back to
   back as a step issues them, median of 10: Hockney's t(n) = α + 2(g-1)/g · n/B through the layout's TP message
-  (b·s·h activations in the precision's bytes) and one 16x larger. They give the planner's `latency_us` and
-  TP bandwidth; the pipeline's sends use that bandwidth too.
+  (b·s·h activations in the precision's bytes) and one 16x larger. They give the planner's TP bandwidth (the
+  pipeline's sends use it too) and, for the layouts without TP, its `latency_us`;
+- TP latency inside a step: at each TP layout, what one of its messages adds to a loop that computes between
+  messages as much as the step does per TP message (fp32 GEMMs, minus the same loop without messages); the
+  α this implies at the fitted bandwidth is the row's `latency_us`. With more ranks than cores it is larger
+  than back to back: a collective also waits for a partner the OS has descheduled to run another rank.
 - DP: the bus bandwidth of one DP reduce bucket over groups of g = d ranks, through gloo as ZeRO reduces it.
 - memory bandwidth: each rank of a spawned world of each size copies a 64 MiB fp32 tensor while the others do
   (read + write bytes / time, median of 10), for the optimizer part.
@@ -43,6 +47,7 @@ from hybrid3d.model import LlamaShape  # noqa: E402
 from hybrid3d.planning.flops import training_flops_per_token  # noqa: E402
 from hybrid3d.planning.memory import GB  # noqa: E402
 from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
+from hybrid3d.planning.traffic import tp_messages  # noqa: E402
 
 
 def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: int, as_tp: bool) -> list:
@@ -73,6 +78,44 @@ def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: 
             times.append((time.perf_counter() - start) / 20)
         seconds.append(statistics.median(times))
     return seconds
+
+
+GEMM_SIDE = 256  # the compute between in-step messages: fp32 GEMMs of 256 x 256 x 256 (33.6 MFLOP each)
+
+
+def in_step_all_reduce_seconds(rank, world_size, requests: list, repeats: int) -> list:
+    """What one TP all-reduce adds to a step where ranks compute between messages: for each (group size, fp32
+    elements, GEMMs between messages), 20 x (GEMMs, all-reduce) minus 20 x GEMMs alone, per message, median of
+    `repeats`; through `tp_all_reduce` as the TP layers call it. With more ranks than cores a collective also
+    waits for a partner the OS has descheduled, which back-to-back all-reduces do not show."""
+    import deepspeed.comm as dist
+
+    from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
+    from hybrid3d.parallel.rank_groups import TensorParallelGroup
+    from hybrid3d.parallel.tensor_parallel.mappings import tp_all_reduce
+
+    a, b = torch.randn(GEMM_SIDE, GEMM_SIDE), torch.randn(GEMM_SIDE, GEMM_SIDE)
+    out = []
+    for group_size, numel, gemms in requests:
+        groups = [dist.new_group(list(range(f, f + group_size))) for f in range(0, world_size, group_size)]
+        group = groups[rank // group_size]
+        tp = TensorParallelGroup(group, rank % group_size, group_size, shm_all_reduce=shm_all_reduce_spans(group))
+        x = torch.ones(numel)
+        costs = []
+        for _ in range(repeats):
+            seconds = []
+            for communicate in (False, True):
+                dist.barrier()
+                start = time.perf_counter()
+                for _ in range(20):
+                    for _ in range(gemms):
+                        a @ b
+                    if communicate:
+                        tp_all_reduce(x, tp)
+                seconds.append(time.perf_counter() - start)
+            costs.append((seconds[1] - seconds[0]) / 20)
+        out.append(statistics.median(costs))
+    return out
 
 
 def latency_and_bandwidth(group_size: int, small: tuple, large: tuple) -> tuple[float, float]:
@@ -146,15 +189,17 @@ def main(argv=None):
     for r in rows:
         if r["system"].startswith("plain"):
             plain[r["precision"]] = r["tokens_per_s"] * flops_per_token  # FLOP/s on all cores
-    out = []
-    for r in rows:
-        if r["system"] != "hybrid3d":
-            continue
+    ours = [r for r in rows if r["system"] == "hybrid3d"]
+
+    def estimate(r, tp_latency=None):
+        """The planner's parts for row `r`: TP and pipeline at the TP fit (its α, or `tp_latency`), DP at the
+        bucket's bandwidth, the bubble as cores shared by the ranks make it."""
         world, tp, pp, _ = LAYOUTS[r["for_layout"]]
         dp = world // (tp * pp)
         rank_rate = plain[r["precision"]] / max(world, cores)
         precision = "fp32" if r["precision"] == "fp32" else "bf16"
         latency, tp_bandwidth = fits.get((world, tp, precision), fits.get((world, 2, precision)))  # PP2xDP2: no TP
+        latency = latency if tp_latency is None else tp_latency
         parts = {}
         for kind, gbps, alpha in (("tp", tp_bandwidth / GB, latency * 1e6),
                                   ("dp", bucket.get((world, dp), 1e30) / GB, 0.0)):
@@ -164,11 +209,36 @@ def main(argv=None):
             parts[kind] = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
                                              precision)
         small, reduce = parts["tp"], parts["dp"]
-        # TP and pipeline at the TP fit; DP at the bucket's bandwidth; the bubble as cores shared by the ranks make it
-        est = dataclasses.replace(small, dp=reduce.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
+        return dataclasses.replace(small, dp=reduce.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
+
+    # TP latency as a step meets it: the layout's message after as much compute as the step does per TP message
+    requests = {}  # world -> [(row index, (group size, fp32 elements, GEMMs between messages))]
+    for i, r in enumerate(ours):
+        world, tp, pp, _ = LAYOUTS[r["for_layout"]]
+        if tp == 1:
+            continue
+        act_bytes = 4 if r["precision"] == "fp32" else 2
+        gas = global_batch // (micro * (world // (tp * pp)))
+        count = sum(c for _, c, _ in tp_messages(shape, micro, seq, tp, pp, pp - 1, gas, act_bytes))
+        between = estimate(r).compute / count  # seconds of compute a rank does per TP message
+        gemms = max(1, round(between * plain["fp32"] / max(world, cores) / (2 * GEMM_SIDE**3)))
+        requests.setdefault(world, []).append((i, (tp, micro * seq * shape.hidden_size * act_bytes // 4, gemms)))
+    in_step = {}  # row index -> (seconds a message adds to the step, α those imply)
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, asks in requests.items():
+            costs = run_world(in_step_all_reduce_seconds, world, os.path.join(tmp, f"step{world}"),
+                              [a for _, a in asks], 5)[0]
+            for (i, (g, numel, _)), cost in zip(asks, costs):
+                r = ours[i]
+                _, bandwidth = fits[world, g, "fp32" if r["precision"] == "fp32" else "bf16"]
+                in_step[i] = (cost, max(cost - 2 * (g - 1) / g * numel * 4 / bandwidth, 0.0))
+    out = []
+    for i, r in enumerate(ours):
+        est = estimate(r, in_step[i][1] if i in in_step else None)
         out.append({"layout": r["for_layout"], "precision": r["precision"], "measured_s": r["step_s"],
                     "estimate_s": est.seconds, "compute": est.compute, "bubble": est.bubble, "tp": est.tp,
-                    "dp": est.dp, "pipe": est.pipe, "optimizer": est.optimizer, "error": est.seconds / r["step_s"] - 1})
+                    "dp": est.dp, "pipe": est.pipe, "optimizer": est.optimizer, "error": est.seconds / r["step_s"] - 1,
+                    "tp_message_in_step_s": in_step[i][0] if i in in_step else None})
     lines = ["| precision | layout | measured s | estimate s | compute | bubble | TP | DP | pipeline | optimizer | error |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for o in out:
@@ -180,6 +250,9 @@ def main(argv=None):
     summary = ("Measured all-reduces, TP message fits (α, B; shared memory where the TP group is the world): "
                + ", ".join(f"{p} over {g} of {w} ranks α {a * 1e3:.2f} ms, B {b / 1e9:.2f} GB/s"
                            for (w, g, p), (a, b) in sorted(fits.items()))
+               + "; one TP message inside a step (α it implies): "
+               + ", ".join(f"{o['precision']} {o['layout']} {o['tp_message_in_step_s'] * 1e3:.2f} ms"
+                           f" ({in_step[i][1] * 1e3:.2f} ms)" for i, o in enumerate(out) if i in in_step)
                + "; DP bucket bus bandwidth: " + ", ".join(f"{g} of {w} ranks {b / 1e9:.2f} GB/s"
                                                           for (w, g), b in sorted(bucket.items()))
                + "; copy bandwidth a rank: " + ", ".join(f"{w} ranks {b / 1e9:.1f} GB/s" for w, b in memory.items())
