@@ -164,6 +164,8 @@ COST_RUNS = [
 COMPILED = {"compile": {"enabled": True, "backend": "aot_eager"}}
 COMPILED_RUNS = [
     dict(name="compiled-SP-TP2-Z1", case="gqa", tp=2, pp=1, zero=1, world=2, hybrid=dict(COMPILED, sequence_parallel=True)),
+    # TP2 over the whole world: its all-reduces take DeepSpeed's shared-memory op inside the compiled blocks
+    dict(name="compiled-TP2-Z1", case="gqa", tp=2, pp=1, zero=1, world=2, hybrid=COMPILED),
     dict(name="compiled-tied-PP2-ckpt-Z1", case="tied", tp=1, pp=2, zero=1, world=2, hybrid=COMPILED,
          extra={"pipeline": {"activation_checkpoint_interval": 1}}),
 ]
