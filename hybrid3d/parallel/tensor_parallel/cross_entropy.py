@@ -24,7 +24,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         z = _without_padding(logits.float(), tp, vocab_size, owned=logits.dtype != torch.float32)
 
         z_max = z.max(dim=-1).values
-        tp_all_reduce(z_max, tp, ReduceOp.MAX)
+        z_max = tp_all_reduce(z_max, tp, ReduceOp.MAX)
         z = z - z_max.unsqueeze(-1)
 
         local_target, outside = _local_targets(target, tp, logits.shape[-1])
@@ -34,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         exp_z = z.exp_()
         sums = torch.stack((z_target, exp_z.sum(dim=-1)))  # (2, b, s): one all-reduce for both sums
-        tp_all_reduce(sums, tp)
+        sums = tp_all_reduce(sums, tp)
         z_target, sum_exp = sums[0], sums[1]
 
         ignored = target == ignore_index
@@ -94,11 +94,11 @@ class _ChunkedVocabParallelLoss(torch.autograd.Function):
         for part in _chunks(rows.shape[0], chunk):
             z = _chunk_logits(rows[part], weight, tp, vocab_size)  # (c, V/t) fp32, padding -inf
             z_max = z.max(dim=-1).values
-            tp_all_reduce(z_max, tp, ReduceOp.MAX)
+            z_max = tp_all_reduce(z_max, tp, ReduceOp.MAX)
             local, outside = _local_targets(targets[part], tp, weight.shape[0])
             z_target = torch.where(outside, 0.0, z.gather(-1, local.unsqueeze(-1)).squeeze(-1) - z_max)
             sums = torch.stack((z_target, (z - z_max.unsqueeze(-1)).exp_().sum(dim=-1)))  # (2, c): one all-reduce
-            tp_all_reduce(sums, tp)
+            sums = tp_all_reduce(sums, tp)
             loss[part] = (sums[1].log() - sums[0]).masked_fill(targets[part] == ignore_index, 0.0)
             lse[part] = z_max + sums[1].log()
         ctx.save_for_backward(x, weight, target, lse)
