@@ -50,6 +50,20 @@ from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
 from hybrid3d.planning.traffic import tp_messages  # noqa: E402
 
 
+def consecutive_group(rank: int, world_size: int, group_size: int, as_tp: bool):
+    """This rank's group of `group_size` consecutive ranks (a collective call: every group is made on every rank),
+    as the TP layers see it; `as_tp` lets its sums take the shared-memory kernel where the TP layers would."""
+    import deepspeed.comm as dist
+
+    from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
+    from hybrid3d.parallel.rank_groups import TensorParallelGroup
+
+    groups = [dist.new_group(list(range(first, first + group_size))) for first in range(0, world_size, group_size)]
+    group = groups[rank // group_size]
+    return TensorParallelGroup(group, rank % group_size, group_size,
+                               shm_all_reduce=as_tp and shm_all_reduce_spans(group))
+
+
 def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: int, as_tp: bool) -> list:
     """Seconds per fp32 all-reduce of each of `sizes` elements over groups of `group_size` consecutive ranks, every
     group at once (as TP and DP groups run side by side): 20 back to back, as a step issues them, median of
@@ -57,13 +71,9 @@ def all_reduce_seconds(rank, world_size, group_size: int, sizes: list, repeats: 
     the group is the whole world on one host), else through gloo as DeepSpeed's ZeRO reduces buckets."""
     import deepspeed.comm as dist
 
-    from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
-    from hybrid3d.parallel.rank_groups import TensorParallelGroup
     from hybrid3d.parallel.tensor_parallel.mappings import tp_all_reduce
 
-    groups = [dist.new_group(list(range(first, first + group_size))) for first in range(0, world_size, group_size)]
-    group = groups[rank // group_size]
-    tp = TensorParallelGroup(group, rank % group_size, group_size, shm_all_reduce=as_tp and shm_all_reduce_spans(group))
+    tp = consecutive_group(rank, world_size, group_size, as_tp)
     seconds = []
     for numel in sizes:
         x = torch.ones(numel)
@@ -90,16 +100,12 @@ def in_step_all_reduce_seconds(rank, world_size, requests: list, repeats: int) -
     waits for a partner the OS has descheduled, which back-to-back all-reduces do not show."""
     import deepspeed.comm as dist
 
-    from hybrid3d.ds_internals.shm_all_reduce import shm_all_reduce_spans
-    from hybrid3d.parallel.rank_groups import TensorParallelGroup
     from hybrid3d.parallel.tensor_parallel.mappings import tp_all_reduce
 
     a, b = torch.randn(GEMM_SIDE, GEMM_SIDE), torch.randn(GEMM_SIDE, GEMM_SIDE)
     out = []
     for group_size, numel, gemms in requests:
-        groups = [dist.new_group(list(range(f, f + group_size))) for f in range(0, world_size, group_size)]
-        group = groups[rank // group_size]
-        tp = TensorParallelGroup(group, rank % group_size, group_size, shm_all_reduce=shm_all_reduce_spans(group))
+        tp = consecutive_group(rank, world_size, group_size, True)
         x = torch.ones(numel)
         costs = []
         for _ in range(repeats):

@@ -26,6 +26,8 @@ import math
 
 import torch
 
+from hybrid3d.parallel.attention_visibility import visible
+
 logger = logging.getLogger(__name__)
 
 TILE_BYTES = 64 * 2**20  # one tile of fp32 scores (b, h, rows, nk) in ExplicitBlocks
@@ -58,10 +60,10 @@ def _row_tiles(q, nk: int):
 def _scores(q_tile, k, rows: slice, causal: bool, bias):
     """fp32 scaled scores of the query rows `rows` against every key, masked: (b, h, len(rows), nk)."""
     scores = torch.matmul(q_tile.float(), k.float().transpose(-1, -2)) * (1.0 / math.sqrt(q_tile.shape[-1]))
-    if causal:  # a segment against itself: key j visible to query i iff j <= i
-        query = torch.arange(rows.start, rows.stop, device=scores.device)[:, None]
-        key = torch.arange(scores.shape[-1], device=scores.device)[None, :]
-        scores = scores.masked_fill(key > query, float("-inf"))
+    if causal:  # a segment against itself: its local indices stand for positions
+        query = torch.arange(rows.start, rows.stop, device=scores.device)
+        key = torch.arange(scores.shape[-1], device=scores.device)
+        scores = scores.masked_fill(~visible(query, key), float("-inf"))
     if bias is not None:
         scores = scores + bias[..., rows, :].float()
     return scores
