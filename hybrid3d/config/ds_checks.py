@@ -50,10 +50,11 @@ def check_zero_and_precision(ds: dict, pp: int, pipeline_zero2: bool = False) ->
         raise ConfigError("zero_optimization must be a JSON object")
     stage = zero.get("stage", 0)
     if stage not in (0, 1, 2, 3):
-        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2, got {stage!r}")
-    if stage == 3:
-        raise ConfigError("zero_optimization.stage=3 is not supported: use stage 1 (with pipeline parallelism) "
-                          "or 2 (pipeline_parallel_size 1)")
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    if stage == 3 and pp > 1:
+        raise ConfigError(f"zero_optimization.stage=3 runs with {SECTION}.pipeline_parallel_size 1 only (DeepSpeed's "
+                          f"PipelineEngine refuses ZeRO-3), not {pp}: with pipeline stages use stage 1, or 2 with "
+                          f"{SECTION}.pipeline_zero2")
     if stage == 2 and pp > 1 and not pipeline_zero2:
         raise ConfigError(
             f"zero_optimization.stage=2 cannot run with {SECTION}.pipeline_parallel_size={pp} unless "
@@ -67,6 +68,58 @@ def check_zero_and_precision(ds: dict, pp: int, pipeline_zero2: bool = False) ->
     if bf16 and accum in ("fp32", "float32") and stage == 0:
         raise ConfigError("data_types.grad_accum_dtype=fp32 with bf16 needs zero_optimization.stage >= 1 "
                           "(DeepSpeed's BF16_Optimizer shards fp32 masters over data parallel)")
+
+
+OFFLOAD_DEVICES = ("none", "cpu", "nvme")
+# ZeRO-3 options that build their process groups from the whole world or per node, not from the mpu's
+# data-parallel group (DeepSpeed 0.19.8 runtime/zero/mics.py, partition_parameters.py's hpZ groups): with TP or CP
+# ranks in the world they would partition across TP shards.
+WORLD_GROUP_KEYS = ("zero_hpz_partition_size", "zero_quantized_weights", "zero_quantized_nontrainable_weights",
+                    "zero_quantized_gradients", "mics_shard_size")
+
+
+def check_offload(ds: dict, tp: int, cp: int) -> None:
+    """DeepSpeed's offload keys (`zero_optimization.offload_optimizer`, `offload_param`) as DeepSpeed 0.19.8 takes
+    them (runtime/zero/config.py, offload_config.py): a device of none/cpu/nvme; nvme needs `nvme_path`; parameter
+    offload, NVMe and a partial `ratio` need stage 3. DeepSpeed would refuse or ignore some of these deep inside
+    `initialize`. Also the ZeRO-3 options whose groups ignore the layout (`WORLD_GROUP_KEYS`)."""
+    zero = ds.get("zero_optimization", {})
+    stage = zero.get("stage", 0)
+    for name in ("offload_optimizer", "offload_param"):
+        section = zero.get(name)
+        if section is None:
+            continue
+        key = f"zero_optimization.{name}"
+        if not isinstance(section, dict):
+            raise ConfigError(f"{key} must be a JSON object like {{\"device\": \"cpu\"}}")
+        device = section.get("device", "none")
+        if device not in OFFLOAD_DEVICES:
+            raise ConfigError(f"{key}.device must be one of {', '.join(OFFLOAD_DEVICES)}, got {device!r}")
+        if device == "none":
+            continue
+        if stage == 0:
+            raise ConfigError(f"{key} needs zero_optimization.stage 1, 2 or 3 (DeepSpeed offloads ZeRO's partitions)")
+        if name == "offload_param" and stage != 3:
+            raise ConfigError(f"{key} needs zero_optimization.stage 3 (only ZeRO-3 partitions parameters), got {stage}")
+        if device == "nvme":
+            if stage != 3:
+                raise ConfigError(f"{key}.device nvme needs zero_optimization.stage 3, got {stage}")
+            if not section.get("nvme_path"):
+                raise ConfigError(f"{key}.device nvme needs {key}.nvme_path (a folder on a fast local disk)")
+        ratio = section.get("ratio", 1.0)
+        if not (isinstance(ratio, (int, float)) and 0 < ratio <= 1):
+            raise ConfigError(f"{key}.ratio must be in (0, 1], got {ratio!r}")
+        if ratio < 1 and stage != 3:
+            raise ConfigError(f"{key}.ratio < 1 (a partial offload) needs zero_optimization.stage 3, got {stage}")
+    if zero.get("cpu_offload") or zero.get("cpu_offload_params"):
+        raise ConfigError("zero_optimization.cpu_offload is DeepSpeed's old spelling: use "
+                          "zero_optimization.offload_optimizer {\"device\": \"cpu\"} (and offload_param)")
+    if tp * cp > 1:
+        for name in WORLD_GROUP_KEYS:
+            if zero.get(name) not in (None, False, 0, 1):
+                raise ConfigError(f"zero_optimization.{name} builds its groups from the whole world, which would "
+                                  f"mix tensor- or context-parallel ranks: not supported with "
+                                  f"{SECTION}.tensor_parallel_size {tp} x context_parallel_size {cp}")
 
 
 def check_checkpoint_engine(ds: dict) -> None:
@@ -111,7 +164,7 @@ def check_pipeline_zero2(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"{key} applies to {SECTION}.pipeline_parallel_size > 1 only "
                           "(ZeRO-2 without a pipeline needs no opt-in)")
     offload = zero.get("offload_optimizer") or {}
-    if zero.get("cpu_offload") or (isinstance(offload, dict) and offload.get("device", "none") != "none"):
+    if isinstance(offload, dict) and offload.get("device", "none") != "none":
         raise ConfigError(f"zero_optimization.offload_optimizer is not supported with {key}")
 
 

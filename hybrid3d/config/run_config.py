@@ -11,6 +11,7 @@ from hybrid3d.config.ds_checks import (
     check_evaluation,
     check_nonfinite_policy,
     check_pipeline_schedule,
+    check_offload,
     check_pipeline_zero2,
     check_sequence_splits,
     check_zero_and_precision,
@@ -97,6 +98,7 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_document_mask(hybrid)
     check_evaluation(hybrid)
     check_zero_and_precision(ds, layout.pp, hybrid.pipeline_zero2)
+    check_offload(ds, layout.tp, layout.cp)
     check_pipeline_zero2(ds, hybrid)
     check_expert_parallel(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)

@@ -10,7 +10,10 @@ layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check
                                 reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
     interleaved / DualPipeV     pipeline_zero2
-    compiled blocks             a mixture-of-experts model; an unknown backend
+    compiled blocks             a mixture-of-experts model; an unknown backend; ZeRO-3
+    ZeRO-3                      a pipeline (ds_checks); a mixture-of-experts model; the chunked loss
+    offload                     stage 0; offload_param, NVMe or a partial ratio below stage 3; pipeline_zero2
+                                (ds_checks.check_offload)
 """
 
 from typing import Optional
@@ -119,3 +122,21 @@ def check_compile(section: CompileSection, is_moe: bool) -> None:
                           f"got {section.backend!r}")
     if is_moe:
         raise ConfigError(f"{SECTION}.compile.enabled is not supported with a mixture-of-experts model yet")
+
+
+def check_zero3(stage: int, is_moe: bool, loss_chunk_tokens: int, compiled: bool) -> None:
+    """ZeRO-3 (`zero_optimization.stage` 3; pipeline_parallel_size 1, ds_checks.check_zero_and_precision) runs a
+    dense model with TP, SP, CP and LoRA (tests/distributed/test_engine.py, test_lora.py). It gathers a parameter
+    around the forward and backward of the module that owns it (ds_internals/zero3.py), so: the chunked loss, which
+    applies the head's weight in the loss outside any module, is refused; experts (their own expert-data-parallel
+    groups) and compiled blocks (Dynamo tracing ZeRO-3's gather hooks) are untested with it, so refused for now."""
+    if stage != 3:
+        return
+    if is_moe:
+        raise ConfigError("zero_optimization.stage=3 is not supported with a mixture-of-experts model yet (use stage "
+                          "1 or 2): ZeRO-3 runs dense models with tensor, sequence and context parallelism and LoRA")
+    if loss_chunk_tokens:
+        raise ConfigError(f"{SECTION}.loss_chunk_tokens cannot run with zero_optimization.stage=3: the chunked loss "
+                          "applies the head's weight outside the head's forward, where ZeRO-3 holds only its partition")
+    if compiled:
+        raise ConfigError(f"{SECTION}.compile.enabled is not supported with zero_optimization.stage=3 yet")

@@ -25,6 +25,7 @@ import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
+from hybrid3d.ds_internals.zero3 import gathered, is_partitioned, written
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import (
     EMBEDDING,
@@ -165,10 +166,10 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: Llama
             raise KeyError(f"HF state dict lacks '{spec.hf_name}'")
         shard = shard_hf_tensor(spec, hf_state_dict[spec.hf_name], shape, tp.rank, tp.size)
         param = params[spec.local_name]
-        if param.shape != shard.shape:
-            raise ValueError(f"'{spec.hf_name}' gives shape {tuple(shard.shape)} for TP rank {tp.rank}, "
-                             f"but '{spec.local_name}' has {tuple(param.shape)}")
-        with torch.no_grad():
+        with written([param]), torch.no_grad():  # ZeRO-3: this one parameter whole, then partitioned again
+            if param.shape != shard.shape:
+                raise ValueError(f"'{spec.hf_name}' gives shape {tuple(shard.shape)} for TP rank {tp.rank}, "
+                                 f"but '{spec.local_name}' has {tuple(param.shape)}")
             param.copy_(shard)
         filled.add(spec.local_name)
     unfilled = sorted(set(params) - filled)
@@ -180,18 +181,22 @@ def gather_hf_state_dict(model: torch.nn.Module, shape: LlamaShape, tp: TensorPa
                          grads: bool = False) -> dict:
     """Full HF-named tensors (or their gradients) of the layers this model holds, gathered over TP.
 
-    A collective over the TP group: every TP rank must call it; each gets the full tensors.
+    A collective over the TP group: every TP rank must call it; each gets the full tensors. Under ZeRO-3 also over
+    the data-parallel group, one parameter at a time (its gradients are partitioned: `grads` is refused).
     """
     params = dict(model.named_parameters())
     out = {}
     for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:
             continue
-        local = params[spec.local_name]
-        local = local.grad if grads else local.detach()
-        if local is None:
-            raise ValueError(f"'{spec.local_name}' has no gradient")
-        local = local.contiguous()
+        param = params[spec.local_name]
+        if grads and is_partitioned(param):
+            raise ValueError(f"'{spec.local_name}' is partitioned by ZeRO-3: its gradient is not held whole")
+        with gathered([param]):
+            local = param.grad if grads else param.detach()
+            if local is None:
+                raise ValueError(f"'{spec.local_name}' has no gradient")
+            local = local.clone() if is_partitioned(param) else local.contiguous()
         shards = [local]
         if tp.size > 1:
             shards = [torch.empty_like(local) for _ in range(tp.size)]

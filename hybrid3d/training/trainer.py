@@ -35,6 +35,7 @@ from hybrid3d.ds_internals.muon_import import import_muon_lazily
 from hybrid3d.ds_internals.op_build_arch import make_arch_list_readable_for_op_builds
 from hybrid3d.ds_internals.pipeline_clip import use_exact_clipping
 from hybrid3d.ds_internals.process_groups import new_groups_wait
+from hybrid3d.ds_internals.zero3 import partitioned_build, used_outside_forward
 from hybrid3d.ds_internals.tied_sync import skip_frozen_tied_gradients, tied_weights_synchronised_without_grad
 from hybrid3d.model import LlamaSequential, LlamaShape, load_hf_state_dict
 from hybrid3d.model.moe import MoEFeedForward, router_summary
@@ -265,8 +266,11 @@ def _build(config: RunConfig, layout: ParallelLayout, shape: LlamaShape, hf_stat
     seed = config.hybrid.seed
     seed_tensor_parallel_rng(seed, tp.rank + tp.size * cp.rank)  # one stream per (TP, CP) rank: their heads differ
     configure_activation_checkpointing(groups, config)
-    with contextlib.nullcontext() if draw_weights else weights_loaded_later():
+    with contextlib.nullcontext() if draw_weights else weights_loaded_later(), \
+            partitioned_build(config.ds_config, groups, enabled=config.zero_stage == 3):
         module = _build_module(config, layout, shape, groups, seed)
+    if shape.tie_word_embeddings and layout.pp == 1:  # the tied head reads the embedding's weight (ZeRO-3)
+        used_outside_forward(module, module.layers[0].weight)
     if hf_state_dict is not None:
         load_hf_state_dict(module, hf_state_dict, shape, tp)  # raises on any parameter it did not fill
     if shape.lora_rank:

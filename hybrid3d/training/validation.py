@@ -23,7 +23,7 @@ from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.config.support import check_compile, check_lora, check_moe_options, check_ring_attention
+from hybrid3d.config.support import check_compile, check_lora, check_moe_options, check_ring_attention, check_zero3
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 
@@ -63,6 +63,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
                       pipeline_zero2=hybrid.pipeline_zero2, checkpoint_interval=config.checkpoint_interval,
                       use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
                       document_mask=hybrid.data.document_mask)
+    check_zero3(config.zero_stage, shape.is_moe, shape.loss_chunk_tokens, hybrid.compile.enabled)
     check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
     if hybrid.data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "

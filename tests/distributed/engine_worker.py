@@ -15,6 +15,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
 
     from hybrid3d.ds_internals import pipeline_stage_layers
     from hybrid3d.ds_internals.timeline import InstructionTimeline, SavedActivationProbe
+    from hybrid3d.ds_internals.zero3 import full_numel, offloaded, partition_numels
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
@@ -71,6 +72,7 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         "inner_optimizer": type(getattr(optimizer, "optimizer", optimizer)).__name__,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.module.parameters()}),
         "local_numel": sum(p.numel() for p in trainer.module.parameters()),
+        "local_full_numel": sum(full_numel(p) for p in trainer.module.parameters()),  # ZeRO-3's whole tensors
         # One set of process groups: the pipeline engine runs on the layout's grid, not a second one.
         "shared_grid": getattr(trainer.engine, "grid", trainer.groups.grid) is trainer.groups.grid,
         "dp_rank": dp_rank,
@@ -80,6 +82,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
                            cpu=ds_ckpt.CPU_CHECKPOINT, synchronize=ds_ckpt.SYNCHRONIZE, profile=ds_ckpt.PROFILE_TIME,
                            num_checkpoints=ds_ckpt.num_layers),
     }
+    report["partitioned"] = partition_numels(trainer.module.parameters())  # ZeRO-3: (held, whole); (0, 0) else
+    report["offloaded"] = offloaded(optimizer)
     if report["optimizer"] == "BF16_Optimizer":
         report["master_dtypes"] = sorted({str(t.dtype) for t in optimizer.fp32_groups_flat_partition})
         report["master_numel"] = sum(t.numel() for t in optimizer.fp32_groups_flat_partition)

@@ -170,12 +170,43 @@ COMPILED_RUNS = [
          extra={"pipeline": {"activation_checkpoint_interval": 1}}),
 ]
 
+# ZeRO-3 (pipeline_parallel_size 1): every parameter partitioned over the d·c data-parallel ranks from the build on
+# (deepspeed.zero.Init over the layout's group, ds_internals/zero3.py). A persistence threshold of 0, since DeepSpeed
+# keeps tensors below 1e5 elements whole by default, which would be every tensor of these models.
+Z3 = {"stage": 3, "stage3_param_persistence_threshold": 0}
+CPU = {"device": "cpu"}
+ZERO3_RUNS = [
+    dict(name="Z3-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, extra={"zero_optimization": Z3}),
+    dict(name="Z3-tied-DP2", case="tied", tp=1, pp=1, zero=3, world=2, extra={"zero_optimization": Z3}),
+    dict(name="Z3-TP2-DP2", case="gqa", tp=2, pp=1, zero=3, world=4, extra={"zero_optimization": Z3}),
+    dict(name="Z3-SP-tied-TP2-DP2", case="tied", tp=2, pp=1, zero=3, world=4, extra={"zero_optimization": Z3},
+         hybrid=SP),
+    dict(name="Z3-CP2-DP2", case="gqa", tp=1, pp=1, zero=3, world=4, extra={"zero_optimization": Z3},
+         hybrid={"context_parallel_size": 2}),
+]
+# ZeRO-Offload (Ren et al. 2021): DeepSpeed's CPU Adam op (the JSON's AdamW without torch_adam) steps the fp32
+# masters on the host; on the CPU accelerator nothing crosses a bus, but the offload code path runs.
+CPU_ADAM = {"type": "AdamW", "params": dict(OPTIM)}
+OFFLOAD_RUNS = [
+    dict(name="offload-Z1-PP2-DP2", case="gqa", tp=1, pp=2, zero=1, world=4, optimizer=CPU_ADAM,
+         extra={"zero_optimization": {"stage": 1, "offload_optimizer": CPU}}),
+    dict(name="offload-Z2-TP2-DP2", case="gqa", tp=2, pp=1, zero=2, world=4, optimizer=CPU_ADAM,
+         extra={"zero_optimization": {"stage": 2, "offload_optimizer": CPU}}),
+    dict(name="offload-Z3-params-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM,
+         extra={"zero_optimization": dict(Z3, offload_optimizer=CPU, offload_param=CPU)}),
+]
+
 ALL_RUNS = (matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS + INTERLEAVED_RUNS
-            + COST_RUNS + COMPILED_RUNS)
+            + COST_RUNS + COMPILED_RUNS + ZERO3_RUNS + OFFLOAD_RUNS)
 # The bf16 runs and their fp32 twins in a world of their own, so the bf16 tests can run alone
 # (under other CPU kernels: test_cpu_kernels.py) without the whole matrix.
-BF16_WORLD = BF16_RUNS + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS
-                          for run in matrix_runs() if run["name"] == r["fp32_twin"]]
+# bf16 + fp32 masters with the optimizer offloaded, in a pipeline: DeepSpeed then takes DeepSpeedZeroOptimizer (CPU
+# Adam on fp32 partitions) instead of BF16_Optimizer.
+BF16_OFFLOAD = dict(name="bf16-offload-TP1-PP2-DP2", case="gqa", tp=1, pp=2, zero=1, world=4, optimizer=CPU_ADAM,
+                    extra=dict(BF16, zero_optimization={"stage": 1, "offload_optimizer": CPU}),
+                    fp32_twin="offload-Z1-PP2-DP2")
+BF16_WORLD = BF16_RUNS + [BF16_OFFLOAD] + [dict(run, name=r["fp32_twin"]) for r in BF16_RUNS + [BF16_OFFLOAD]
+                                           for run in matrix_runs() + OFFLOAD_RUNS if run["name"] == r["fp32_twin"]]
 
 
 def train_worlds(root, all_runs) -> dict:
@@ -357,3 +388,40 @@ def test_compiled_blocks_match_hf_over_five_steps(results, run):
     for report in reports:
         assert report["compiled_blocks"] == report["blocks_on_rank"] > 0  # every block compiled, none left eager
     assert_losses_and_weights_match(results["ref"][run["case"]], reports, run)
+
+
+@pytest.mark.parametrize("run", ZERO3_RUNS + OFFLOAD_RUNS, ids=lambda r: r["name"])
+def test_zero3_and_offload_match_hf_over_five_steps(results, run):
+    """Losses, per-step gradient norms and weights within 1e-5 of HF + torch AdamW; ZeRO-3 holds 1/Nd of every
+    parameter (Nd = d·c; padded to DeepSpeed's alignment) from the build on, and offload runs DeepSpeed's host path."""
+    reports = results["runs"][run["name"]]
+    zero = run["extra"]["zero_optimization"]
+    nd = run["world"] // run["tp"]
+    for report in reports:
+        assert report["optimizer"] == ("DeepSpeedZeroOptimizer_Stage3" if run["zero"] == 3 else "DeepSpeedZeroOptimizer")
+        held, whole = report["partitioned"]
+        if run["zero"] == 3:
+            assert whole == report["local_full_numel"] and whole / nd <= held < whole / nd + 64 * nd, (held, whole)
+        else:
+            assert (held, whole) == (0, 0)
+        assert report["offloaded"] == {"optimizer": "offload_optimizer" in zero, "param": "offload_param" in zero}
+        assert report["inner_optimizer"] == ("DeepSpeedCPUAdam" if "offload_optimizer" in zero else "AdamW")
+    assert_losses_and_weights_match(results["ref"][run["case"]], reports, run)
+    assert results["ref"][run["case"]]["losses"][-1] < results["ref"][run["case"]]["losses"][0] - 0.05
+
+
+@pytest.mark.bf16
+def test_bf16_with_offload_tracks_its_fp32_run(bf16_results):
+    """bf16 compute, fp32 masters and Adam on the host through CPU Adam, in a pipeline (the combination DeepSpeed#3866
+    reports failing at initialize on GPUs): every parameter bf16, and losses and updates within bf16's rounding of
+    the same run in fp32."""
+    reports = bf16_results["runs"][BF16_OFFLOAD["name"]]
+    twin = bf16_results["runs"][BF16_OFFLOAD["fp32_twin"]]
+    for report, fp32 in zip(reports, twin):
+        assert report["optimizer"] == "DeepSpeedZeroOptimizer" and report["inner_optimizer"] == "DeepSpeedCPUAdam"
+        assert report["offloaded"]["optimizer"] and report["param_dtypes"] == ["torch.bfloat16"]
+        assert loss_movement(fp32["losses"]) >= 10 * BF16_LOSS_GAP
+        assert loss_gap(report["losses"], fp32["losses"]) <= BF16_LOSS_GAP
+    gaps = update_excess(merged_weights(reports), merged_weights(twin), bf16_results["ref"]["gqa"]["initial"])
+    bad = {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
+    assert not bad, f"bf16 updates differ from fp32: {bad}"

@@ -35,7 +35,8 @@ from tests.distributed.engine_runs import ds_config
      "pipeline.activation_checkpoint_interval must be an integer >= 0"),
     (lambda c: c.update(bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"},
                         zero_optimization={"stage": 0}), "data_types.grad_accum_dtype=fp32 with bf16 needs"),
-    (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage=3 is not supported"),
+    (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage=3 runs with "
+                                                       "hybrid3d.pipeline_parallel_size 1 only"),
     (lambda c: c["hybrid3d"].update(loss_chunk_tokens=-1), "hybrid3d.loss_chunk_tokens must be >= 0, got -1"),
 ])
 def test_bad_configs_are_refused_with_the_key(edit, needle):
@@ -84,3 +85,43 @@ def test_opt_in_is_accepted():
     config["hybrid3d"].update(pipeline_zero2=True, pipeline_zero2_deferred_fraction=0.25)
     parsed = parse_config(config, world_size=4, num_layers=4, on_cpu=True)
     assert parsed.hybrid.pipeline_zero2 and parsed.zero_stage == 2
+
+
+OFFLOAD_CPU = {"device": "cpu"}
+
+
+@pytest.mark.parametrize("zero, needle", [
+    ({"stage": 4}, "zero_optimization.stage must be 0, 1, 2 or 3, got 4"),
+    ({"stage": 0, "offload_optimizer": OFFLOAD_CPU}, "zero_optimization.offload_optimizer needs zero_optimization."
+                                                     "stage 1, 2 or 3"),
+    ({"stage": 2, "offload_param": OFFLOAD_CPU}, "zero_optimization.offload_param needs zero_optimization.stage 3"),
+    ({"stage": 3, "offload_param": {"device": "nvme"}}, "zero_optimization.offload_param.device nvme needs "
+                                                         "zero_optimization.offload_param.nvme_path"),
+    ({"stage": 2, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}},
+     "zero_optimization.offload_optimizer.device nvme needs zero_optimization.stage 3, got 2"),
+    ({"stage": 1, "offload_optimizer": {"device": "cpu", "ratio": 0.5}},
+     "zero_optimization.offload_optimizer.ratio < 1 (a partial offload) needs zero_optimization.stage 3"),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0}}, "offload_optimizer.ratio must be in (0, 1]"),
+    ({"stage": 3, "offload_optimizer": {"device": "gpu"}}, "offload_optimizer.device must be one of none, cpu, nvme"),
+    ({"stage": 3, "offload_optimizer": "cpu"}, "zero_optimization.offload_optimizer must be a JSON object"),
+    ({"stage": 2, "cpu_offload": True}, "zero_optimization.cpu_offload is DeepSpeed's old spelling"),
+    ({"stage": 3, "zero_hpz_partition_size": 2}, "zero_optimization.zero_hpz_partition_size builds its groups from "
+                                                 "the whole world"),
+])
+def test_zero3_and_offload_keys_are_refused_with_the_key(zero, needle):
+    """TP2 x DP2 without a pipeline, where ZeRO-3 runs: each offload or ZeRO-3 key DeepSpeed would take wrongly."""
+    config = ds_config(tp=2, pp=1, zero=1)
+    config["zero_optimization"] = zero
+    with pytest.raises(ConfigError) as err:
+        parse_config(config, world_size=4, num_layers=4, on_cpu=True)
+    assert needle in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("zero", [{"stage": 3}, {"stage": 3, "offload_param": OFFLOAD_CPU,
+                                                 "offload_optimizer": OFFLOAD_CPU},
+                                  {"stage": 1, "offload_optimizer": OFFLOAD_CPU},
+                                  {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x", "ratio": 0.3}}])
+def test_zero3_and_offload_are_accepted(zero):
+    config = ds_config(tp=2, pp=1, zero=1)
+    config["zero_optimization"] = zero
+    assert parse_config(config, world_size=4, num_layers=4, on_cpu=True).zero_stage == zero["stage"]

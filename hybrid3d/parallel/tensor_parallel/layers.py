@@ -108,7 +108,9 @@ def init_shard_(shard: torch.Tensor, full_shape, dim: int, tp: TensorParallelGro
         with torch.no_grad():
             shard.zero_()
         return
-    full = torch.empty(full_shape, dtype=torch.float32, device=draw_device())
+    # new_empty, not torch.empty: under ZeRO-3's zero.Init, torch.empty makes tensors of the engine's dtype (bf16),
+    # and the draw must be fp32 at any stage for the same initial weights
+    full = shard.new_empty(full_shape, dtype=torch.float32, device=draw_device())
     init(full)
     local = full.chunk(tp.size, dim=dim)[tp.rank] if tp.size > 1 else full
     with torch.no_grad():

@@ -1,0 +1,85 @@
+"""ZeRO-3's partitioned parameters (DeepSpeed's `deepspeed.zero` API), in the few places hybrid3d touches them.
+
+Under `deepspeed.zero.Init` every parameter is split over the data-parallel group as soon as its module's
+constructor returns (Rajbhandari et al. 2020, §5.3, P_os+g+p): a rank keeps `p.ds_tensor`, 1/Nd of the
+flattened tensor, and `p.data` is empty until DeepSpeed gathers it around the forward or backward of the module
+that owns `p`. So anything that reads or writes a whole parameter outside that window goes through here:
+
+- `partitioned_build`: the context the model is built in, partitioned over the layout's data-parallel group (its
+  d·c ranks, the group the engine's ZeRO shards over) instead of `zero.Init`'s default, the whole world, which
+  would mix TP shards;
+- `gathered` / `written`: one parameter whole for a read or a write (HF weights in, the HF state dict out);
+- `used_outside_forward`: the tied LM head reads the embedding's weight in the top module's forward;
+- `full_shape`, `full_numel`: a parameter's real size whether partitioned or not.
+
+Non-partitioned parameters (ZeRO-0/1/2, or no engine yet) pass through unchanged, so callers need not know the stage.
+"""
+
+import contextlib
+
+import torch
+
+
+def is_partitioned(param: torch.Tensor) -> bool:
+    """Whether ZeRO-3 owns `param` (`zero.Init` gave it a `ds_id`)."""
+    return hasattr(param, "ds_id")
+
+
+def partitioned_build(ds_config: dict, groups, enabled: bool):
+    """The context a ZeRO-3 model is built in: every parameter partitioned over `groups`' data-parallel group as its
+    module is made, on the device (or, with `offload_param`, the host) the config names. `groups` is the layout's
+    mpu. A no-op context when not `enabled`."""
+    if not enabled:
+        return contextlib.nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.Init(data_parallel_group=groups.get_data_parallel_group(), mpu=groups,
+                               config_dict_or_path=ds_config)
+
+
+def gathered(params):
+    """The whole tensors of `params` inside the block, for reading; re-partitioned after, unchanged."""
+    import deepspeed
+
+    params = [p for p in params if is_partitioned(p)]
+    return deepspeed.zero.GatheredParameters(params) if params else contextlib.nullcontext()
+
+
+def written(params):
+    """The whole tensors of `params` inside the block, for writing: data-parallel rank 0's values are broadcast and
+    re-partitioned on exit (with `modifier_rank=None` DeepSpeed would keep the old partitions), so every rank must
+    write the same values."""
+    import deepspeed
+
+    params = [p for p in params if is_partitioned(p)]
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else contextlib.nullcontext()
+
+
+def used_outside_forward(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
+    """Have ZeRO-3 gather `param` for `module`'s forward too (a weight another module owns)."""
+    if is_partitioned(param):
+        import deepspeed
+
+        deepspeed.zero.register_external_parameter(module, param)
+
+
+def full_shape(param: torch.Tensor) -> torch.Size:
+    return param.ds_shape if is_partitioned(param) else param.shape
+
+
+def full_numel(param: torch.Tensor) -> int:
+    return param.ds_numel if is_partitioned(param) else param.numel()
+
+
+def partition_numels(params) -> tuple[int, int]:
+    """(elements this rank holds, elements of the whole tensors) over ZeRO-3's `params`: its partitions
+    (`ds_tensor`, 1/Nd of each tensor, padded) against `ds_numel`."""
+    params = [p for p in params if is_partitioned(p)]
+    return sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+
+
+def offloaded(optimizer) -> dict:
+    """What DeepSpeed's ZeRO optimizer wrapper keeps on the host: {"optimizer": bool, "param": bool}
+    (stage 3's `offload_optimizer` / `offload_param`, stages 1-2's `cpu_offload`)."""
+    return {"optimizer": bool(getattr(optimizer, "offload_optimizer", getattr(optimizer, "cpu_offload", False))),
+            "param": bool(getattr(optimizer, "offload_param", False))}
