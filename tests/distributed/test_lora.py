@@ -1,6 +1,7 @@
 """LoRA (issue 35) trains exactly like Hugging Face + PEFT + torch AdamW (fp32, 5 steps, losses and adapter weights
 within 1e-5) at TP2 x PP2 with activation checkpointing, TP2 x DP2 ZeRO-2 with kv heads replicated over TP, TP2 with
-sequence parallelism, CP2 and tied embeddings over PP2; the base weights stay bit-identical; a run saved at step 3
+sequence parallelism, CP2, tied embeddings over PP2 and TP2 x DP2 ZeRO-3 (the frozen base partitioned too); the base
+weights stay bit-identical; a run saved at step 3
 and resumed equals the uninterrupted one bit for bit from adapter-only checkpoints; the export is a PEFT adapter
 folder `PeftModel.from_pretrained` loads with no missing or unexpected keys, and a merged HF model.
 
@@ -31,6 +32,9 @@ RUNS = [
     dict(name="TP2-SP-Z1", case="gqa", tp=2, pp=1, zero=1, world=2, hybrid={"sequence_parallel": True}),
     dict(name="CP2-Z1", case="gqa", tp=1, pp=1, zero=1, world=2, hybrid={"context_parallel_size": 2}),
     dict(name="tied-PP2-Z1", case="tied", tp=1, pp=2, zero=1, world=2),
+    # ZeRO-3: the frozen base partitioned too (every parameter, persistence threshold 0)
+    dict(name="TP2-DP2-Z3", case="gqa", tp=2, pp=1, zero=3, world=4,
+         extra={"zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}}),
 ]
 # bf16 compute: the frozen base stored once in bf16, fp32 masters for the adapters only
 BF16 = dict(name="bf16-TP2-Z1", case="gqa", tp=2, pp=1, zero=1, world=2,

@@ -125,3 +125,30 @@ def test_zero3_and_offload_are_accepted(zero):
     config = ds_config(tp=2, pp=1, zero=1)
     config["zero_optimization"] = zero
     assert parse_config(config, world_size=4, num_layers=4, on_cpu=True).zero_stage == zero["stage"]
+
+
+def test_zero3_support_table_refusals_name_what_works():
+    """validate_run's ZeRO-3 rows (config.support.check_zero3): experts, the chunked loss, compiled blocks."""
+    import dataclasses
+
+    from transformers import LlamaConfig
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.training.validation import validate_run
+
+    shape = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                           num_attention_heads=4, num_key_value_heads=2))
+    cases = [
+        ({}, dataclasses.replace(shape, num_experts=4), "zero_optimization.stage=3 is not supported with a "
+                                                        "mixture-of-experts model yet (use stage 1 or 2)"),
+        ({"loss_chunk_tokens": 8}, shape, "hybrid3d.loss_chunk_tokens cannot run with zero_optimization.stage=3"),
+        ({"compile": {"enabled": True}}, shape, "hybrid3d.compile.enabled is not supported with "
+                                                "zero_optimization.stage=3"),
+    ]
+    for hybrid, model_shape, needle in cases:
+        config = ds_config(tp=1, pp=1, zero=3)
+        config["hybrid3d"].update(hybrid)
+        with pytest.raises(ConfigError) as err:
+            validate_run(config, 2, model_shape)
+        assert str(err.value).startswith(needle), err.value
+    assert validate_run(ds_config(tp=1, pp=1, zero=3), 2, shape).config.zero_stage == 3
