@@ -66,7 +66,7 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
                 cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1,
-                partition: str = BLOCK_COUNT_PARTITION) -> ResumePlan:
+                partition: str = BLOCK_COUNT_PARTITION, zero: int = 1) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
     saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
     schedule decides which layers a rank holds (DualPipeV: stages r and 2p-1-r; interleaved: r + k·p), so
@@ -90,7 +90,14 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
-    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("ep", 1), saved_schedule(saved))
-    ours = (tp, pp, dp, cp, ep, recorded_schedule(pp, schedule, virtual, partition))
+    # ZeRO-1 and 2 write the same files, ZeRO-3 others: a change to or from stage 3 reshards too
+    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("ep", 1), saved_schedule(saved),
+                  saved.get("zero") == 3)
+    ours = (tp, pp, dp, cp, ep, recorded_schedule(pp, schedule, virtual, partition), zero == 3)
     universal = not module_only and written_at != ours
+    if universal and 3 in (saved.get("zero"), zero) and (saved["tp"], tp) != (1, 1):
+        raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} was saved at layout {saved}; with ZeRO-3 on "
+                          "either side a checkpoint reshards only at tensor_parallel_size 1 (DeepSpeed's universal "
+                          f"checkpoint for stage 3 is data-parallel only), this run has tp={tp}: resume at the saved "
+                          "layout, or export it with hybrid2hf and start from the HF folder")
     return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)

@@ -15,14 +15,15 @@ from hybrid3d.checkpoint.commit import (
 )
 from hybrid3d.checkpoint.files import prune_checkpoints, tag_for_step
 from hybrid3d.checkpoint.schema import at_step, training_client_state
+from hybrid3d.ds_internals.zero3 import held
 from hybrid3d.errors import CheckpointError, NonFiniteError, ReportedError
 
 
 def weights_are_finite(module) -> bool:
-    """All ranks agree whether every local parameter is finite (one all-reduce)."""
+    """All ranks agree whether every local parameter (ZeRO-3: every partition) is finite (one all-reduce)."""
     bad = torch.tensor([0], dtype=torch.int32, device=get_accelerator().current_device_name())
     for p in module.parameters():
-        if not torch.isfinite(p.detach()).all():
+        if not torch.isfinite(held(p).detach()).all():
             bad[0] = 1
             break
     dist.all_reduce(bad, op=dist.ReduceOp.MAX)

@@ -68,8 +68,12 @@ def saved_schedule(layout: dict) -> dict:
 
 def layout_record(tp: int, pp: int, dp: int = 1, cp: int = 1, ep: int = 1, schedule: str = "1f1b",
                   virtual: int = 1, partition: str = BLOCK_COUNT_PARTITION,
-                  stage_bounds: Optional[list] = None) -> dict:
+                  stage_bounds: Optional[list] = None, zero: Optional[int] = None) -> dict:
+    """The layout a checkpoint was written at; `zero`: its ZeRO stage (stage 3 writes other files: a checkpoint
+    without it was written below stage 3)."""
     record = {"tp": tp, "pp": pp, "dp": dp, "cp": cp, "ep": ep, **recorded_schedule(pp, schedule, virtual, partition)}
+    if zero is not None:
+        record["zero"] = zero
     if pp > 1 and stage_bounds is not None:
         record["stage_bounds"] = [int(b) for b in stage_bounds]
     return record

@@ -10,6 +10,7 @@ that owns `p`. So anything that reads or writes a whole parameter outside that w
   would mix TP shards;
 - `gathered` / `written`: one parameter whole for a read or a write (HF weights in, the HF state dict out);
 - `used_outside_forward`: the tied LM head reads the embedding's weight in the top module's forward;
+- `held`: what a rank holds of a parameter (a check that every weight is finite reads it);
 - `full_shape`, `full_numel`: a parameter's real size whether partitioned or not.
 
 Non-partitioned parameters (ZeRO-0/1/2, or no engine yet) pass through unchanged, so callers need not know the stage.
@@ -61,6 +62,12 @@ def used_outside_forward(module: torch.nn.Module, param: torch.nn.Parameter) -> 
         import deepspeed
 
         deepspeed.zero.register_external_parameter(module, param)
+
+
+def held(param: torch.Tensor) -> torch.Tensor:
+    """What this rank holds of `param`: its ZeRO-3 partition (flat, padded; on the host with offload_param), else
+    the parameter itself."""
+    return param.ds_tensor if is_partitioned(param) else param
 
 
 def full_shape(param: torch.Tensor) -> torch.Size:

@@ -113,7 +113,7 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
                            structure(dataclasses.asdict(shape)),
                            cp=layout.cp, **recorded_schedule(layout.pp, hybrid.pipeline_schedule,
                                                                hybrid.virtual_pipeline_size, hybrid.partition_method),
-                           ep=layout.ep)
+                           ep=layout.ep, zero=run.config.zero_stage)
         if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
             raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
                               f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")

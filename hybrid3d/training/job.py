@@ -20,6 +20,7 @@ from hybrid3d.data import DataCursor, build_training_data, micro_batches
 from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
 from hybrid3d.ds_internals import pipeline_parts, pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
+from hybrid3d.ds_internals.zero3 import full_numel
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
 from hybrid3d.model.pipe import layer_costs
 from hybrid3d.parallel.attention_blocks import block_kernel
@@ -89,8 +90,8 @@ def layout_summary(trainer) -> list[str]:
     local = dict(stage=trainer.groups.stage_id, tp=trainer.groups.get_tensor_model_parallel_rank(),
                  dp=trainer.groups.data_shard()[0], cp=trainer.groups.context_parallel().rank,
                  layers=f"{layers} ({share:.0%} of the FLOPs)",
-                 params=sum(p.numel() for p in module.parameters()),
-                 trained=sum(p.numel() for p in module.parameters() if p.requires_grad))
+                 params=sum(full_numel(p) for p in module.parameters()),  # ZeRO-3 holds 1/Nd of them
+                 trained=sum(full_numel(p) for p in module.parameters() if p.requires_grad))
     everyone = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, local)
     lines = []
@@ -251,7 +252,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
                            enabled=is_rank0, monitor=getattr(trainer.engine, "monitor", None))
     bounds = pipeline_parts(trainer.module) if trainer.uses_pipeline else None
     meta = tag_record(layout_record(layout.tp, layout.pp, layout.dp, layout.cp, layout.ep, hybrid.pipeline_schedule,
-                                    hybrid.virtual_pipeline_size, hybrid.partition_method, bounds),
+                                    hybrid.virtual_pipeline_size, hybrid.partition_method, bounds,
+                                    zero=trainer.config.zero_stage),
                       job.shape, source.hf_config, module_only=False)
     saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0)
     # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybrid3d.ds_internals.zero3 import full_numel
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.column_linears import column_parallel_linears
 from hybrid3d.parallel.tensor_parallel.layers import adapter_dropout, has_adapter, init_shard_, mark_tensor_parallel
@@ -95,5 +96,5 @@ def train_adapters_only(module: nn.Module) -> int:
     trainable = 0
     for name, param in module.named_parameters():
         param.requires_grad_(LORA_PARAMETER in name)
-        trainable += param.numel() if param.requires_grad else 0
+        trainable += full_numel(param) if param.requires_grad else 0
     return trainable
