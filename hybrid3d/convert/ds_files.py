@@ -8,7 +8,10 @@ A checkpoint folder holds `latest` (the tag) and `<tag>/`:
 - `mp_rank_XX_model_states.pt`, XX = stage * tp + tp_rank (the grid's model-parallel rank): the
   engine's record; `module` is None with a pipeline, else the TP rank's whole state dict
   (`<global layer index>.<name>`);
-- `*optim_states.pt`: ZeRO/optimizer state, absent from module-only checkpoints.
+- `*optim_states.pt`: ZeRO/optimizer state, absent from module-only checkpoints;
+- with ZeRO-3, `zero_pp_rank_D_mp_rank_XX_model_states.pt` and `..._optim_states.pt` per data-parallel rank D
+  instead: the module's tensors there are empty (partitioned), the weights live in the fp32 partitions of the
+  optimizer files, which DeepSpeed's zero_to_fp32 consolidates (`zero3_model_states_file`).
 The tied embedding / LM head is named `tied_modules.embed.weight` and lives in layer 0's files.
 """
 
@@ -38,6 +41,11 @@ def model_states_file(tag_dir: Path, stage: int, tp_rank: int, tp: int) -> Path:
     return tag_dir / f"{ds.MODEL_FILE_PREFIX}{stage * tp + tp_rank:02d}{ds.MODEL_FILE_SUFFIX}"
 
 
+def zero3_model_states_file(tag_dir: Path, dp_rank: int, stage: int, tp_rank: int, tp: int) -> Path:
+    """A ZeRO-3 engine's record of data-parallel rank `dp_rank` (DeepSpeed's `_get_zero_ckpt_name` form)."""
+    return tag_dir / f"zero_pp_rank_{dp_rank}_mp_rank_{stage * tp + tp_rank:02d}{ds.MODEL_FILE_SUFFIX}"
+
+
 def split_local_name(local_name: str) -> tuple[int, str]:
     """`3.mlp.up_proj.weight` -> (3, 'mlp.up_proj.weight'); the tied embedding -> (0, 'weight')."""
     if local_name.startswith(TIED_PREFIX):
@@ -56,7 +64,8 @@ def resolve_tag_dir(checkpoint_dir: Path, tag: Optional[str] = None) -> tuple[Pa
         latest = checkpoint_dir / LATEST
         if latest.is_file():
             tag = latest.read_text().strip()
-        elif model_states_file(checkpoint_dir, 0, 0, 1).is_file():
+        elif model_states_file(checkpoint_dir, 0, 0, 1).is_file() or \
+                zero3_model_states_file(checkpoint_dir, 0, 0, 0, 1).is_file():
             return checkpoint_dir, checkpoint_dir.name
         else:
             raise ConversionError(f"{latest}: not found (pass --tag, or a folder holding a DeepSpeed checkpoint)")

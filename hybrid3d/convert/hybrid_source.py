@@ -2,7 +2,8 @@
 
 Only module weights are read: the `layer_XX-model_YY` files with a pipeline, the `module` of
 the `mp_rank_XX` files without one, with an expert-parallel run's `experts_ep_rank_*` files merged
-in (checkpoint/experts.py); optimizer files are ignored. Files are memory-mapped and
+in (checkpoint/experts.py); optimizer files are ignored, except in a ZeRO-3 checkpoint, whose weights only they
+hold (convert/zero3_source.py). Files are memory-mapped and
 reopened per layer, so the pages of finished layers are released.
 """
 
@@ -16,6 +17,7 @@ from deepspeed.checkpoint import constants as ds
 
 from hybrid3d.checkpoint.experts import expert_files
 from hybrid3d.convert import ds_files
+from hybrid3d.convert.zero3_source import consolidated_tp_rank
 from hybrid3d.checkpoint.schema import CLIENT_SECTION, client_section
 from hybrid3d.errors import ConversionError
 
@@ -39,29 +41,44 @@ def load_torch_file(path: Path, allow_pickle: bool = False):
 
 
 class HybridCheckpoint:
-    def __init__(self, root: Path, tag_dir: Path, tp: int, pp: int, record: dict, allow_pickle: bool):
+    def __init__(self, root: Path, tag_dir: Path, tp: int, pp: int, record: dict, allow_pickle: bool,
+                 zero3_dtype: Optional[torch.dtype] = None):
         self.root = root  # the folder holding `latest` (and `hf/` when converted)
         self.tag_dir, self.tp, self.pp = tag_dir, tp, pp
         self.record = record  # mp_rank_00's record without its module
         self.allow_pickle = allow_pickle
+        self.zero3_dtype = zero3_dtype  # a ZeRO-3 checkpoint's compute dtype; None for any other
+        self._consolidated = {}  # ZeRO-3: TP rank -> its weights (zero3_source), read on first use
 
     @classmethod
     def open(cls, checkpoint_dir, tag: Optional[str] = None, allow_pickle: bool = False) -> "HybridCheckpoint":
         tag_dir, _ = ds_files.resolve_tag_dir(Path(checkpoint_dir), tag)
         first = ds_files.model_states_file(tag_dir, 0, 0, 1)
+        zero3 = not first.is_file() and ds_files.zero3_model_states_file(tag_dir, 0, 0, 0, 1).is_file()
+        if zero3:
+            first = ds_files.zero3_model_states_file(tag_dir, 0, 0, 0, 1)
         if not first.is_file():
             raise ConversionError(f"{first}: not found")
         record = load_torch_file(first, allow_pickle)
-        record.pop("module", None)
+        module = record.pop("module", None) or {}
         tp, pp = _layout(record, first)
-        checkpoint = cls(tag_dir.parent, tag_dir, tp, pp, record, allow_pickle)
+        dtype = next(iter(module.values())).dtype if zero3 and module else (torch.float32 if zero3 else None)
+        checkpoint = cls(tag_dir.parent, tag_dir, tp, pp, record, allow_pickle, zero3_dtype=dtype)
         for stage in range(pp):
             for rank in range(tp):
-                path = ds_files.model_states_file(tag_dir, stage, rank, tp)
+                path = (ds_files.zero3_model_states_file(tag_dir, 0, stage, rank, tp) if zero3
+                        else ds_files.model_states_file(tag_dir, stage, rank, tp))
                 if not path.is_file():
                     raise ConversionError(f"{path}: not found (a tp={tp} pp={pp} checkpoint has "
                                           f"{tp * pp} mp_rank files)")
         return checkpoint
+
+    def _zero3_module(self, rank: int) -> tuple[Path, dict]:
+        """A ZeRO-3 checkpoint's weights of TP rank `rank`, consolidated once."""
+        if rank not in self._consolidated:
+            frozen_excluded = bool(self.record.get("frozen_param_shapes"))  # LoRA: the optimizer holds adapters only
+            self._consolidated[rank] = consolidated_tp_rank(self.tag_dir, rank, frozen_excluded)
+        return ds_files.zero3_model_states_file(self.tag_dir, 0, 0, rank, self.tp), self._consolidated[rank]
 
     @property
     def section(self) -> dict:
@@ -86,8 +103,11 @@ class HybridCheckpoint:
                 path = ds_files.layer_file(self.tag_dir, index, rank, self.tp)
                 out.append((path, load_torch_file(path, self.allow_pickle)))
                 continue
-            path = ds_files.model_states_file(self.tag_dir, 0, rank, self.tp)
-            module = load_torch_file(path, self.allow_pickle).get("module")
+            if self.zero3_dtype is not None:
+                path, module = self._zero3_module(rank)
+            else:
+                path = ds_files.model_states_file(self.tag_dir, 0, rank, self.tp)
+                module = load_torch_file(path, self.allow_pickle).get("module")
             if not isinstance(module, dict):
                 raise ConversionError(f"{path}: has no module weights (a pp=1 checkpoint keeps them there)")
             for expert_path in expert_files(self.tag_dir, rank):  # with EP the module holds EP rank 0's experts only
@@ -106,7 +126,10 @@ class HybridCheckpoint:
         return max(1, len(expert_files(self.tag_dir, 0)))
 
     def stored_dtype(self) -> torch.dtype:
-        """The dtype of the embedding as stored (training writes bf16 or fp32 weights)."""
+        """The dtype of the embedding as stored (training writes bf16 or fp32 weights); ZeRO-3's compute dtype, which
+        its (empty) module tensors record."""
+        if self.zero3_dtype is not None:
+            return self.zero3_dtype
         path, tensors = self.layer_tensors(0)[0]
         if not tensors:
             raise ConversionError(f"{path}: holds no weights of layer 0 (the embedding)")

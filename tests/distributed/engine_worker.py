@@ -1,6 +1,7 @@
 """Rank-side code for the engine tests: build trainers, train, and report what the tests check."""
 
 import gc
+from pathlib import Path
 
 
 from tests.distributed.worlds import each_run
@@ -9,7 +10,7 @@ from tests.tiny_llama import load_hf
 from tests.counters import DrawCounter
 
 
-def run_one(run: dict, model_dirs: dict) -> dict:
+def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     import deepspeed.comm as dist
     from deepspeed.runtime.activation_checkpointing import checkpointing as ds_ckpt
 
@@ -50,6 +51,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
         grad_norms.append(None if norm is None else float(norm))
         forwards_per_step.append(block_forwards[0] - before)
 
+    if run.get("save"):  # a checkpoint for the export tests, next to the world's results
+        trainer.save(str(Path(save_root) / run["name"]), client_state={})
     optimizer = trainer.engine.optimizer
     report = {
         "build_draws": build_draws.drawn,
@@ -94,8 +97,8 @@ def run_one(run: dict, model_dirs: dict) -> dict:
     return report
 
 
-def train_runs(rank, world_size, runs, model_dirs):
-    return each_run(runs, lambda run: with_autograd_warnings(run_one, run, model_dirs))
+def train_runs(rank, world_size, runs, model_dirs, save_root: str = ""):
+    return each_run(runs, lambda run: with_autograd_warnings(run_one, run, model_dirs, save_root))
 
 
 def with_autograd_warnings(fn, *args) -> dict:

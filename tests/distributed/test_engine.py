@@ -178,7 +178,7 @@ CPU = {"device": "cpu"}
 ZERO3_RUNS = [
     dict(name="Z3-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, extra={"zero_optimization": Z3}),
     dict(name="Z3-tied-DP2", case="tied", tp=1, pp=1, zero=3, world=2, extra={"zero_optimization": Z3}),
-    dict(name="Z3-TP2-DP2", case="gqa", tp=2, pp=1, zero=3, world=4, extra={"zero_optimization": Z3}),
+    dict(name="Z3-TP2-DP2", case="gqa", tp=2, pp=1, zero=3, world=4, extra={"zero_optimization": Z3}, save=True),
     dict(name="Z3-SP-tied-TP2-DP2", case="tied", tp=2, pp=1, zero=3, world=4, extra={"zero_optimization": Z3},
          hybrid=SP),
     dict(name="Z3-CP2-DP2", case="gqa", tp=1, pp=1, zero=3, world=4, extra={"zero_optimization": Z3},
@@ -193,7 +193,7 @@ OFFLOAD_RUNS = [
     dict(name="offload-Z2-TP2-DP2", case="gqa", tp=2, pp=1, zero=2, world=4, optimizer=CPU_ADAM,
          extra={"zero_optimization": {"stage": 2, "offload_optimizer": CPU}}),
     dict(name="offload-Z3-params-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM,
-         extra={"zero_optimization": dict(Z3, offload_optimizer=CPU, offload_param=CPU)}),
+         extra={"zero_optimization": dict(Z3, offload_optimizer=CPU, offload_param=CPU)}, save=True),
 ]
 
 ALL_RUNS = (matrix_runs() + ckpt_runs() + FUSED_ADAM + sequence_runs() + SCHEDULE_RUNS + INTERLEAVED_RUNS
@@ -217,7 +217,8 @@ def train_worlds(root, all_runs) -> dict:
     refs = {case: hf_reference_run(d) for case, d in model_dirs.items()}
     for case, d in model_dirs.items():
         refs[case]["initial"] = {n: p.detach().clone() for n, p in load_hf(d).named_parameters()}
-    return {"ref": refs, "runs": run_worlds_by_size(train_runs, all_runs, root, model_dirs)}
+    return {"ref": refs, "runs": run_worlds_by_size(train_runs, all_runs, root, model_dirs, str(root / "saved")),
+            "saved": root / "saved", "model_dirs": model_dirs}
 
 
 @pytest.fixture(scope="module")
@@ -425,3 +426,21 @@ def test_bf16_with_offload_tracks_its_fp32_run(bf16_results):
     gaps = update_excess(merged_weights(reports), merged_weights(twin), bf16_results["ref"]["gqa"]["initial"])
     bad = {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
     assert not bad, f"bf16 updates differ from fp32: {bad}"
+
+
+@pytest.mark.parametrize("name", [r["name"] for r in ZERO3_RUNS + OFFLOAD_RUNS if r.get("save")])
+def test_zero3_checkpoint_exports_bit_exact(results, name, tmp_path):
+    """hybrid2hf on a ZeRO-3 checkpoint (its weights only in the optimizer files' fp32 partitions, consolidated per TP
+    rank by DeepSpeed's zero_to_fp32): every HF tensor equals the trained weights gathered from the ranks, bit for
+    bit."""
+    from safetensors.torch import load_file
+
+    from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
+
+    run = next(r for r in ZERO3_RUNS + OFFLOAD_RUNS if r["name"] == name)
+    hybrid_to_hf(results["saved"] / name, tmp_path, hf_config_dir=results["model_dirs"][run["case"]])
+    exported = {k: v for f in tmp_path.glob("*.safetensors") for k, v in load_file(f).items()}
+    trained = merged_weights(results["runs"][name])
+    assert set(exported) == set(trained)
+    assert all(torch.equal(exported[n], trained[n]) for n in trained), [n for n in trained
+                                                                         if not torch.equal(exported[n], trained[n])]
