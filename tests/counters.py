@@ -36,3 +36,19 @@ class DrawCounter(TorchFunctionMode):
             kwargs = kwargs or {}
             self.drawn += (args[0] if args else kwargs["tensor"]).numel()
         return func(*args, **(kwargs or {}))
+
+
+def host_allocations(fn) -> tuple[int, int, object]:
+    """(the most bytes torch's CPU allocator held at once while `fn()` ran, over what it held when `fn` began; the
+    largest net allocation one operator made; fn's result), counted from the allocations and frees the profiler
+    records."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        result = fn()
+    live = peak = largest = 0
+    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
+        live += event.self_cpu_memory_usage  # + allocations inside the op, - frees (`[memory]` events)
+        peak = max(peak, live)
+        largest = max(largest, event.self_cpu_memory_usage)
+    return peak, largest, result
