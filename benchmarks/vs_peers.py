@@ -14,6 +14,7 @@ Repeats run round-robin over every (system, layout, precision) of a world; repor
 per-repeat ratios and its range, the overhead against plain PyTorch, model-state bytes and peak RSS.
 
     python benchmarks/vs_peers.py --quick
+    python benchmarks/vs_peers.py --zero 3 --layouts DP2 DP4     # ZeRO-3: hybrid3d against HF + DeepSpeed ZeRO-3
 """
 
 import argparse
@@ -266,7 +267,8 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true", help="2 repeats x 3 timed steps")
     parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
     parser.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
-    parser.add_argument("--zero", type=int, default=1, choices=(0, 1))
+    parser.add_argument("--zero", type=int, default=1, choices=(0, 1, 2, 3),
+                        help="ZeRO stage of every system; 2 and 3 at the layouts without a pipeline only")
     parser.add_argument("--seq-length", type=int, default=128)
     parser.add_argument("--micro-batch", type=int, default=2)
     parser.add_argument("--global-batch", type=int, default=8)
@@ -278,6 +280,9 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.repeats = 3, 2
+    piped = [layout for layout in args.layouts if LAYOUTS[layout][2] > 1]
+    if args.zero >= 2 and piped:
+        parser.error(f"--zero {args.zero} runs without a pipeline: leave out {', '.join(piped)}")
     command = command_line("vs_peers.py", argv)
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -296,7 +301,8 @@ def main(argv=None):
     text = table(all_rows)
     out_dir = results_dir(args.out)
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "vs_peers.md"), "w") as f:
+    name = "vs_peers" if args.zero <= 1 else f"vs_peers_zero{args.zero}"  # ZeRO-0/1 are the default table
+    with open(os.path.join(out_dir, f"{name}.md"), "w") as f:
         f.write("\n".join([
             "# hybrid3d vs peers", "", environment_markdown(env, command), "",
             f"Model: {MODEL}; ZeRO-{args.zero}, global batch {args.global_batch} x {args.seq_length} tokens, "
@@ -305,7 +311,7 @@ def main(argv=None):
             "'vs peer' is the peer's step time over hybrid3d's (> 1: hybrid3d is faster); the PP layouts' "
             "peer is HF + ZeRO over the same ranks as pure DP. 'vs plain PyTorch' is tokens/s over one "
             "process's on the same cores.", "", text, ""]))
-    with open(os.path.join(out_dir, "vs_peers.json"), "w") as f:
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
         json.dump({"rows": all_rows, "environment": env, "command": command}, f, indent=1)
     print(text)
     print(f"results in {out_dir}")
