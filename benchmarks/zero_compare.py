@@ -20,9 +20,13 @@ import gc
 import os
 import sys
 import tempfile
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
+from hybrid3d.training.quiet_start import hold_back_deepspeed_log  # noqa: E402
+
+hold_back_deepspeed_log(sys.argv)  # before DeepSpeed is imported, here and in the spawned ranks (same argv)
 from common import (  # noqa: E402
     classify_comms,
     command_line,
@@ -71,45 +75,70 @@ def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket):
     return config
 
 
-def run_config(run: dict, steps: int) -> dict:
-    """Build, warm up, measure one step, time `steps` steps; this rank's figures."""
+def run_config(run: dict, steps: int, verbose: bool = False, measure: bool = True) -> dict:
+    """Build, warm up, measure one step (`measure`: the memory probe and the comms logger; the first repeat only, the
+    others keep nothing else of theirs than step times), time `steps` steps; this rank's figures, and the seconds
+    each phase took (`phases`: what the benchmark's own run time goes to)."""
     import deepspeed.comm as dist
 
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
+    from hybrid3d.parallel.spawn import end_run
+    from hybrid3d.training.console import deepspeed_prints
     from common import build_trainer_from_json
 
+    start = time.perf_counter()
     gc.collect()
     rss_base = reset_peak_rss()
     shape = LlamaShape(**SIZES[run["size"]])
     tp, pp, dp = run["tp"], run["pp"], run["dp"]
-    trainer = build_trainer_from_json(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
-                                      run["micro_batch"], run["bucket"]), shape)
-    probe = PeakProbe(trainer.engine)
+    with deepspeed_prints(verbose):  # the pipeline's layer listing and topology, as the job holds them back
+        trainer = build_trainer_from_json(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
+                                          run["micro_batch"], run["bucket"]), shape)
+    built = time.perf_counter()
     data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())
-    comms = measure_second_step(trainer, data, probe)
-    traffic, callers = classify_comms(comms)
-    times = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
-    peak = probe.peak()
-    result = {
-        "stage": trainer.groups.stage_id, "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),
-        "dp_rank": trainer.groups.get_data_parallel_rank(), "wrapper": type(trainer.engine.optimizer).__name__,
-        "states": dict(peak.by_category), "states_boundary": probe.snapshots["boundary"].by_category,
-        "states_step": probe.snapshots["step"].by_category, "traffic": traffic, "callers": callers,
-        "step_times": times, "rss_base": rss_base,
-    }
+    result = {"stage": trainer.groups.stage_id, "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),
+              "dp_rank": trainer.groups.get_data_parallel_rank(), "wrapper": type(trainer.engine.optimizer).__name__,
+              "rss_base": rss_base}
+    if measure:
+        probe = PeakProbe(trainer.engine)
+        comms = measure_second_step(trainer, data, probe)
+        traffic, callers = classify_comms(comms)
+        peak = probe.peak()
+        result.update(states=dict(peak.by_category), states_boundary=probe.snapshots["boundary"].by_category,
+                      states_step=probe.snapshots["step"].by_category, traffic=traffic, callers=callers)
+        del probe
+    else:
+        trainer.train_step(data)  # the warm-up: Adam's moments are created at the first step
+    warmed = time.perf_counter()
+    result["step_times"] = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
     dist.barrier()
-    del trainer, probe, data
-    gc.collect()
+    timed_end = time.perf_counter()
+    del trainer, data
+    end_run()  # the engine, its process groups and threads freed, what survives frozen out of later collections
     result["rss_peak"] = peak_rss()
+    result["phases"] = {"build": built - start, "warm-up" + (" and probed step" if measure else ""): warmed - built,
+                        "timed steps": timed_end - warmed, "teardown": time.perf_counter() - timed_end}
     return result
 
 
-def world_main(rank, world_size, runs, repeats, steps):
+def world_main(rank, world_size, runs, repeats, steps, verbose=False):
+    from hybrid3d.training.console import hold_back_deprecated_alias_warnings, set_deepspeed_verbosity
+
+    if not verbose:
+        set_deepspeed_verbosity(False)
+        hold_back_deprecated_alias_warnings()
     out = {}
+    began, total = time.perf_counter(), repeats * len(runs)
     for repeat in range(repeats):
-        for run in runs:
-            result = run_config(run, steps)
+        for index, run in enumerate(runs):
+            result = run_config(run, steps, verbose, measure=repeat == 0)
+            if rank == 0:
+                done = repeat * len(runs) + index + 1
+                elapsed = time.perf_counter() - began
+                phases = ", ".join(f"{k} {v:.1f} s" for k, v in result["phases"].items())
+                print(f"[{done}/{total}] {run['name']} (repeat {repeat + 1}/{repeats}): {phases}; elapsed "
+                      f"{elapsed / 60:.1f} min, ETA {elapsed / done * (total - done) / 60:.1f} min", flush=True)
             if repeat == 0:
                 out[run["name"]] = result
             else:
@@ -155,6 +184,7 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--verbose", action="store_true", help="DeepSpeed's own log lines and prints too")
     args = parser.parse_args(argv)
     require_matplotlib(parser)
     if args.quick:
@@ -177,7 +207,7 @@ def main(argv=None):
     runs = plan_runs(args)
     command = command_line("zero_compare.py", argv)
     with tempfile.TemporaryDirectory() as tmp:
-        results = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps)
+        results = run_world(world_main, args.world, tmp, runs, args.repeats, args.steps, args.verbose)
     out_dir = results_dir(args.out)
     write_results(out_dir, runs, results, SIZES, environment(), command)
     print(f"results in {out_dir}")

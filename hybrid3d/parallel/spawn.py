@@ -13,10 +13,13 @@ that size starts a fresh one. `run_world` is one call in a world of its own. A w
 removed when it ends.
 """
 
+import contextlib
 import gc
+import io
 import os
 import queue
 import socket
+import sys
 import time
 import traceback
 
@@ -56,7 +59,13 @@ def _init_rank(rank: int, world_size: int, port: int) -> None:
                       WORLD_SIZE=str(world_size), LOCAL_SIZE=str(world_size))
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     torch.set_num_threads(threads_per_rank(world_size, usable_cores()))
-    start_world(backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
+    held = io.StringIO()  # DeepSpeed prints a line per op it loads (the shared-memory collectives): not the caller's
+    try:
+        with contextlib.redirect_stdout(held):
+            start_world(backend="nccl" if os.environ["DS_ACCELERATOR"] == "cuda" else "gloo")
+    except BaseException:
+        sys.stdout.write(held.getvalue())  # what a diagnosis may need
+        raise
 
 
 def end_run() -> None:
