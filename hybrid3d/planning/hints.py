@@ -53,7 +53,8 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
                      f"{least.activations_gb / least.memory_gb:.0%} of it")
     lines.append("  - activation checkpointing and micro-batch 1 are already among the options tried (a smaller "
                  "--global-batch saves nothing more)")
-    lines.append("  - offloading the fp32 master weights and Adam states (12 of the bytes per parameter) to CPU "
-                 "memory with DeepSpeed's zero_optimization.offload_optimizer: not modelled here, nor tested by "
-                 "hybrid3d")
+    lines.append("  - ZeRO-3 (parameters partitioned too, without a pipeline) or offloading the fp32 master weights "
+                 "and Adam states (12 of the bytes per parameter) to CPU memory with DeepSpeed's "
+                 "zero_optimization.offload_optimizer: both run in hybrid3d (docs/configuration.md#zero-3-and-offload) "
+                 "but are not yet among the rows modelled here")
     return lines
