@@ -1,7 +1,7 @@
-"""Pipeline stages cut by decoder-block count (`partition_method: "type:DecoderBlock"`, DeepSpeed's, the default)
-against stages cut by training FLOPs with the LM head counted ("cost", `model/pipe.stage_bounds`), side by side at
-PP2 and PP4, 1F1B, on a model whose head is a quarter of its FLOPs (V 8192, h 256: the head multiplies 2.8 blocks'
-weights).
+"""Pipeline stages cut by decoder-block count (`partition_method: "type:DecoderBlock"`, DeepSpeed's) against stages
+cut by training FLOPs with the LM head counted ("cost", `model/pipe.stage_bounds`; the default, on these figures),
+side by side at PP2 and PP4, 1F1B, on a model whose head is a quarter of its FLOPs (V 8192, h 256: the head
+multiplies 2.8 blocks' weights).
 
 One spawned world per pipeline size builds every (m, partition) configuration, then times `--repeats` rounds of one
 step each, round-robin (the ratios come from the same minutes of the machine). Per configuration: the step's

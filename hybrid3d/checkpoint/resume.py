@@ -1,6 +1,7 @@
 """Where `checkpoint.load` points, whether that checkpoint is whole and is this model's, and how to
 load it into the current layout (natively, or resharded through DeepSpeed's universal checkpoint)."""
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -8,7 +9,7 @@ from typing import Optional
 from hybrid3d.checkpoint.files import META_FILE, read_meta
 from hybrid3d.checkpoint.schema import (is_module_only, manifest, recorded_schedule, saved_layout, saved_schedule,
                                       structure)
-from hybrid3d.config.sections import BLOCK_COUNT_PARTITION
+from hybrid3d.config.sections import DEFAULT_PARTITION
 from hybrid3d.errors import CheckpointError, ConfigError
 
 
@@ -21,6 +22,8 @@ class ResumePlan:
     meta: dict  # contents of the tag's hybrid3d.json
     module_only: bool  # weights only (a converted HF model): fresh optimizer, step 0
     universal: bool  # the layout differs: reshard through DeepSpeed's universal checkpoint
+    partition: Optional[str] = None  # the checkpoint's partition method, which this run keeps (None: the run's own)
+    why: str = ""  # why the stages load as they do, when the checkpoint's were cut another way
 
     @property
     def universal_tag(self) -> str:
@@ -66,13 +69,15 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
                 cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1,
-                partition: str = BLOCK_COUNT_PARTITION, zero: int = 1) -> ResumePlan:
+                partition: str = DEFAULT_PARTITION, partition_set: bool = True,
+                bounds: Optional[Sequence[int]] = None, zero: int = 1) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
     saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
     schedule decides which layers a rank holds (DualPipeV: stages r and 2p-1-r; interleaved: r + k·p), so
-    a checkpoint of another schedule at the same sizes is resharded too, as is one whose layers were cut into
-    stages by another partition method (`hybrid3d.partition_method`); one saved before schedules and methods
-    were recorded is 1F1B with the default method."""
+    a checkpoint of another schedule at the same sizes is resharded too; one saved before schedules and methods
+    were recorded is 1F1B cut by block count. `bounds`: the stage bounds `partition` gives (None if unmodelled).
+    Stages cut another way at the same layout (`partition_stages`) are kept when `partition_set` is false
+    (hybrid3d.partition_method left to its default), else resharded."""
     load_dir, tag = find_checkpoint(load, save_dir)
     meta = read_meta(load_dir / tag)
     if meta is None:
@@ -90,14 +95,39 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} holds weights only, converted for "
                           f"tp={saved['tp']} pp={saved['pp']}; this run has tp={tp} pp={pp}: convert again "
                           f"with --tp {tp} --pp {pp}")
+    theirs, ours = saved_schedule(saved), recorded_schedule(pp, schedule, virtual, partition)
     # ZeRO-1 and 2 write the same files, ZeRO-3 others: a change to or from stage 3 reshards too
-    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("ep", 1), saved_schedule(saved),
-                  saved.get("zero") == 3)
-    ours = (tp, pp, dp, cp, ep, recorded_schedule(pp, schedule, virtual, partition), zero == 3)
-    universal = not module_only and written_at != ours
-    if universal and 3 in (saved.get("zero"), zero) and (saved["tp"], tp) != (1, 1):
+    written_at = (saved["tp"], saved["pp"], saved["dp"], saved.get("cp", 1), saved.get("ep", 1), theirs["schedule"],
+                  theirs["virtual"], saved.get("zero") == 3)
+    here = (tp, pp, dp, cp, ep, ours["schedule"], ours["virtual"], zero == 3)
+    plan = ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only,
+                      universal=not module_only and written_at != here)
+    if plan.universal and 3 in (saved.get("zero"), zero) and (saved["tp"], tp) != (1, 1):
         raise ConfigError(f"hybrid3d.checkpoint.load: {load_dir / tag} was saved at layout {saved}; with ZeRO-3 on "
                           "either side a checkpoint reshards only at tensor_parallel_size 1 (DeepSpeed's universal "
                           f"checkpoint for stage 3 is data-parallel only), this run has tp={tp}: resume at the saved "
                           "layout, or export it with hybrid2hf and start from the HF folder")
-    return ResumePlan(load_dir=load_dir, tag=tag, meta=meta, module_only=module_only, universal=universal)
+    if module_only or plan.universal:  # weights only load by layer whatever the stages; a reshard re-cuts them
+        return plan
+    return partition_stages(plan, saved, ours["partition"], partition_set, bounds)
+
+
+def partition_stages(plan: ResumePlan, saved: dict, partition: str, partition_set: bool,
+                     bounds: Optional[Sequence[int]]) -> ResumePlan:
+    """A checkpoint saved at this run's layout: the same stages when its partition method is the run's, or its
+    recorded bounds are; else its own stages kept, which its files were written for (no reshard), when the run
+    left hybrid3d.partition_method unset (a checkpoint of the count-balanced default before "cost"); else the
+    method the run sets, through the universal checkpoint. `why` says which, for the job's one line."""
+    method, recorded = saved_schedule(saved)["partition"], saved.get("stage_bounds")
+    if method == partition or (recorded is not None and bounds is not None and list(recorded) == list(bounds)):
+        return plan
+    cut = f"partition_method {method!r}" + (f" (layer-spec bounds {list(recorded)})" if recorded else "")
+    if not partition_set:
+        plan.partition = method
+        plan.why = (f"they were cut by {cut} at this layout, so its files load as saved, without a reshard "
+                    f"(hybrid3d.partition_method is unset; set it to re-cut them through the universal checkpoint)")
+        return plan
+    plan.universal = True
+    plan.why = (f"its stages were cut by {cut}, hybrid3d.partition_method {partition!r} cuts them"
+                + (f" {list(bounds)}" if bounds is not None else " otherwise"))
+    return plan

@@ -83,6 +83,14 @@ class CompileSection:
     backend: str = "inductor"  # torch._dynamo.list_backends(); "aot_eager" traces without generating kernels
 
 
+BLOCK_COUNT_PARTITION, COST_PARTITION = "type:DecoderBlock", "cost"
+PARTITION_METHODS = (BLOCK_COUNT_PARTITION, COST_PARTITION, "parameters", "uniform")
+# Stages cut by training FLOPs took 0.91-0.96x the step time of count-balanced ones at PP2 and 0.92-1.01x at PP4
+# (benchmarks/results/2026-12-04-vm/stage_balance.md); checkpoints of count-balanced runs record their method and
+# bounds (checkpoint/resume.py keeps or reshards them).
+DEFAULT_PARTITION = COST_PARTITION
+
+
 @dataclass(frozen=True)
 class HybridSection:
     tensor_parallel_size: int = 1
@@ -115,10 +123,10 @@ class HybridSection:
     # virtual_pipeline_size chunks, stages r, r+p, ...; hybrid3d.ds_internals.interleaved_pipeline).
     pipeline_schedule: str = "1f1b"
     virtual_pipeline_size: int = 1
-    # How the layers are cut into pipeline stages (PARTITION_METHODS; model/pipe.stage_bounds): decoder blocks
-    # balanced by count, or the layers' training FLOPs balanced, the LM head's included ("cost"), or
-    # DeepSpeed's own 'parameters' and 'uniform'.
-    partition_method: str = "type:DecoderBlock"
+    # How the layers are cut into pipeline stages (PARTITION_METHODS; model/pipe.stage_bounds): the layers' training
+    # FLOPs balanced, the LM head's included ("cost", the default), or decoder blocks balanced by count
+    # ("type:DecoderBlock"), or DeepSpeed's own 'parameters' and 'uniform'.
+    partition_method: str = DEFAULT_PARTITION
     # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over
     # data parallel every micro-batch, so that traffic is paid gradient_accumulation_steps times.
     pipeline_zero2: bool = False
@@ -221,10 +229,6 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
         raise ConfigError(f"{SECTION}.partition_method must be one of {', '.join(PARTITION_METHODS)}, "
                           f"got {section.partition_method!r}")
     return section
-
-
-BLOCK_COUNT_PARTITION, COST_PARTITION = "type:DecoderBlock", "cost"
-PARTITION_METHODS = (BLOCK_COUNT_PARTITION, COST_PARTITION, "parameters", "uniform")
 
 
 CONTEXT_PARALLEL_COMMS = ("a2a", "p2p", "a2a+p2p")

@@ -40,9 +40,9 @@ def hf_parameter_shapes(config) -> dict[str, torch.Size]:
 
 
 def pipeline_stages(shape: LlamaShape, pp: int) -> list[range]:
-    """Global layer indices on each stage, as PipelineModule partitions with the default method
-    (`type:DecoderBlock`: decoder blocks balanced, the embedding with the first stage, the norm and
-    head with the last). A tied head is one more layer spec at the end of the list."""
+    """Global layer indices on each stage, as the default method cuts them (`cost`: the layers' training
+    FLOPs balanced, the embedding with the first stage, the norm and head with the last). A tied head
+    is one more layer spec at the end of the list."""
     bounds = stage_bounds(shape, pp)
     return [range(bounds[s], bounds[s + 1]) for s in range(pp)]
 

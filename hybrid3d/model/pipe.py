@@ -12,7 +12,7 @@ from functools import lru_cache
 from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
-from hybrid3d.config.sections import BLOCK_COUNT_PARTITION, COST_PARTITION
+from hybrid3d.config.sections import BLOCK_COUNT_PARTITION, COST_PARTITION, DEFAULT_PARTITION
 from hybrid3d.ds_internals.interleaved_pipeline import InterleavedPipelineModule
 from hybrid3d.ds_internals.pipeline_bounds import with_stage_bounds
 from hybrid3d.errors import LayoutError
@@ -22,18 +22,20 @@ from hybrid3d.model.hf_weights import TIED_KEY
 from hybrid3d.model.layers import DecoderBlock, Embedding, layer_classes, layer_kwargs, seed_layer, tied_lm_logits
 from hybrid3d.model.llama import LanguageModelLoss
 from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.pipeline_schedules import num_stages
 from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGroup, TensorParallelGroup
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
-DEFAULT_PARTITION_METHOD = BLOCK_COUNT_PARTITION
-assert DEFAULT_PARTITION_METHOD == f"type:{DecoderBlock.__name__}"
+BLOCK_COUNT_PARTITION_METHOD = BLOCK_COUNT_PARTITION
+assert BLOCK_COUNT_PARTITION_METHOD == f"type:{DecoderBlock.__name__}"
 # Balance the layers' training FLOPs, the head's included (`layer_costs`): Megatron's
 # --account-for-loss-in-pipeline-split, by cost rather than by counting the head as a layer.
 COST_PARTITION_METHOD = COST_PARTITION
+DEFAULT_PARTITION_METHOD = DEFAULT_PARTITION  # hybrid3d.partition_method unset
 # The methods whose bounds `stage_bounds` gives, so the memory model, the planner and the checkpoint record
 # know them; DeepSpeed's own "parameters" and "uniform" run too, unmodelled (config/ds_checks.py).
-MODELLED_PARTITION_METHODS = (DEFAULT_PARTITION_METHOD, COST_PARTITION_METHOD)
+MODELLED_PARTITION_METHODS = (BLOCK_COUNT_PARTITION_METHOD, COST_PARTITION_METHOD)
 
 
 def layer_costs(shape: LlamaShape) -> tuple[int, ...]:
@@ -48,14 +50,22 @@ def layer_costs(shape: LlamaShape) -> tuple[int, ...]:
 @lru_cache(maxsize=256)
 def stage_bounds(shape: LlamaShape, stages: int, method: str = DEFAULT_PARTITION_METHOD) -> tuple[int, ...]:
     """Layer-spec index bounds per stage: stage s holds specs [bounds[s], bounds[s + 1]) of the L + 3 specs.
-    DEFAULT_PARTITION_METHOD: decoder blocks balanced by count, from DeepSpeed's own solver (as PipelineModule
-    runs it); COST_PARTITION_METHOD: `layer_costs` balanced, every stage with at least one decoder block
-    (`balanced_bounds`)."""
-    if method == DEFAULT_PARTITION_METHOD:
+    BLOCK_COUNT_PARTITION_METHOD: decoder blocks balanced by count, from DeepSpeed's own solver (as PipelineModule
+    runs it); COST_PARTITION_METHOD (the default): `layer_costs` balanced, every stage with at least one decoder
+    block (`balanced_bounds`)."""
+    if method == BLOCK_COUNT_PARTITION_METHOD:
         return block_count_bounds(shape.num_layers, stages)
     if method == COST_PARTITION_METHOD:
         return balanced_bounds(layer_costs(shape), stages)
     raise ValueError(f"partition method {method!r} has no modelled bounds (one of {MODELLED_PARTITION_METHODS})")
+
+
+def run_stage_bounds(shape: LlamaShape, pp: int, schedule: str, virtual: int, method: str) -> tuple[int, ...] | None:
+    """`stage_bounds` of every stage a pipeline run cuts (the schedule's `num_stages`: v·p interleaved, 2p
+    DualPipeV), as its checkpoints record them; None without a pipeline or for a method it does not model."""
+    if pp == 1 or method not in MODELLED_PARTITION_METHODS:
+        return None
+    return stage_bounds(shape, num_stages(schedule, pp, virtual), method)
 
 
 @lru_cache(maxsize=256)

@@ -17,12 +17,13 @@ from hybrid3d.checkpoint.experts import check_expert_checkpoints
 from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
 from hybrid3d.checkpoint.schema import recorded_schedule, saved_step as checkpoint_step, structure
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
-from hybrid3d.config.sections import parse_hybrid_section, read_json
+from hybrid3d.config.sections import SECTION, parse_hybrid_section, read_json
 from hybrid3d.ds_internals import check_deepspeed_version
 from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import is_adapter, param_specs
+from hybrid3d.model.pipe import run_stage_bounds
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
 from hybrid3d.training.model_source import ModelSource, resolve_model
@@ -109,11 +110,15 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     save_dir = Path(hybrid.checkpoint.save_dir or output_dir / "checkpoints")
     plan = None
     if hybrid.checkpoint.load:
+        schedule = (hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
         plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp,
                            structure(dataclasses.asdict(shape)),
-                           cp=layout.cp, **recorded_schedule(layout.pp, hybrid.pipeline_schedule,
-                                                               hybrid.virtual_pipeline_size, hybrid.partition_method),
-                           ep=layout.ep, zero=run.config.zero_stage)
+                           cp=layout.cp, **recorded_schedule(layout.pp, *schedule, hybrid.partition_method),
+                           ep=layout.ep, partition_set="partition_method" in raw.get(SECTION, {}),
+                           bounds=run_stage_bounds(shape, layout.pp, *schedule, hybrid.partition_method),
+                           zero=run.config.zero_stage)
+        if plan.partition is not None:  # the checkpoint's stages, kept
+            run = run.with_partition(plan.partition)
         if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
             raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
                               f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")

@@ -189,9 +189,11 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     universal_dir = None
     if job.plan is not None and job.plan.universal:
         info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
-             "through DeepSpeed's universal checkpoint", is_rank0)
+             "through DeepSpeed's universal checkpoint" + (f": {job.plan.why}" if job.plan.why else ""), is_rank0)
         scratch = scratch_folder(job.plan) if eval_only else None  # an evaluation writes nothing into the checkpoint
         universal_dir = rank0_first(lambda: convert_to_universal(job.plan, scratch), rank)
+    elif job.plan is not None and job.plan.why:
+        info(f"keeping the pipeline stages of {job.plan.load_dir / job.plan.tag}: {job.plan.why}", is_rank0)
 
     if job.plan is not None and not job.plan.module_only:
         verify_archives(job.plan.load_dir / job.plan.tag, job.plan.meta, rank, dist.get_world_size())

@@ -40,6 +40,11 @@ class ValidRun:
     def layout(self) -> ParallelLayout:
         return self.config.layout
 
+    def with_partition(self, method: str) -> "ValidRun":
+        """This run with its pipeline cut by `method` (a resume keeping its checkpoint's stages)."""
+        hybrid = dataclasses.replace(self.config.hybrid, partition_method=method)
+        return dataclasses.replace(self, config=dataclasses.replace(self.config, hybrid=hybrid))
+
 
 def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | None = None,
                  hybrid: HybridSection | None = None) -> ValidRun:

@@ -17,8 +17,8 @@ import psutil
 import pytest
 import torch
 
-from tests.launcher.harness import (REPO, STEPS, config_copy, deepspeed_command, demo_config, launch_env, layer_states,
-                                    read_metrics, resume_copy)
+from tests.launcher.harness import (REPO, STEPS, config_copy, copy_checkpoint, deepspeed_command, demo_config,
+                                    launch_env, layer_states, read_metrics, resume_copy)
 from tests.launcher.in_world import run_job
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
@@ -95,19 +95,49 @@ def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
     # the same sizes under another schedule hold other layers per rank: resharded too
     (4, ["--pipeline_schedule", "interleaved", "--virtual_pipeline_size", "2"]),
     (4, ["--pipeline_schedule", "dualpipev"]),
-    # the same layout with its stages cut by training FLOPs: the demo's head (2.8 blocks) moves a block to stage 0
-    (4, ["--partition_method", "cost"]),
-], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev", "TP2-PP2-cost"])
+    # the same layout with its stages cut by block count, set: the demo's head (2.8 blocks) no longer moves a
+    # block to stage 0
+    (4, ["--partition_method", "type:DecoderBlock"]),
+], ids=["TP1-PP1-DP1", "TP1-PP2-DP2", "TP2+SP-CP2", "TP2-PP2-interleaved", "TP2-PP2-dualpipev", "TP2-PP2-count"])
 def test_resume_at_another_layout_through_universal_checkpoint(uninterrupted, num_gpus, overrides):
     result = run_job(num_gpus, uninterrupted["config"], *overrides, "--checkpoint.load",
                     str(uninterrupted["out"] / "checkpoints"), "--eval-only")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" in result.stdout
-    if "cost" in overrides:
-        assert "stage 0: layers 0-3 (" in result.stdout, result.stdout  # the embedding and 3 blocks, not 2
+    if "type:DecoderBlock" in overrides:
+        assert ("through DeepSpeed's universal checkpoint: its stages were cut by partition_method 'cost' (layer-spec "
+                "bounds [0, 4, 7]), hybrid3d.partition_method 'type:DecoderBlock' cuts them [0, 3, 7]") in result.stdout
+        assert "stage 0: layers 0-2 (29% of the FLOPs)" in result.stdout, result.stdout  # the embedding and 2 blocks
     eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
     reference = uninterrupted["metrics"][-1]["eval_loss"]
     assert math.isclose(eval_loss, reference, rel_tol=1e-5), (eval_loss, reference)
+
+
+def test_checkpoint_cut_by_block_count_resumes_on_its_own_stages(tmp_path):
+    """A demo checkpoint cut by block count (the default before "cost"; its method and bounds recorded): a resume at
+    its layout that leaves partition_method unset keeps those stages, says so in one line, loads the files as saved
+    (no reshard), continues bit for bit and records them again (a set method reshards:
+    test_resume_at_another_layout_through_universal_checkpoint)."""
+    config = demo_config(tmp_path)
+    short = ("--train.steps", "4", "--checkpoint.save_interval", "2")
+    trained = run_job(4, config, *short, "--partition_method", "type:DecoderBlock")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    assert "stage 0: layers 0-2 (29% of the FLOPs)" in trained.stdout
+    metrics = read_metrics(tmp_path / "run")
+
+    copy_checkpoint(tmp_path / "run", "global_step2", tmp_path / "resumed")
+    resumed = run_job(4, config, *short, "--train.output_dir", str(tmp_path / "resumed"), "--checkpoint.load", "latest")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    kept = [line for line in resumed.stdout.splitlines() if "keeping the pipeline stages" in line]
+    assert len(kept) == 1 and kept[0].endswith(
+        "global_step2: they were cut by partition_method 'type:DecoderBlock' (layer-spec bounds [0, 3, 7]) at this "
+        "layout, so its files load as saved, without a reshard (hybrid3d.partition_method is unset; set it to re-cut "
+        "them through the universal checkpoint)"), kept
+    assert "universal checkpoint" not in resumed.stdout.replace(kept[0], "")
+    assert "stage 0: layers 0-2 (29% of the FLOPs)" in resumed.stdout
+    assert [m["loss"] for m in read_metrics(tmp_path / "resumed")] == [m["loss"] for m in metrics[2:]]
+    layout = json.loads((tmp_path / "resumed" / "checkpoints" / "global_step4" / "hybrid3d.json").read_text())["layout"]
+    assert (layout["partition"], layout["stage_bounds"]) == ("type:DecoderBlock", [0, 3, 7])
 
 
 def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterrupted, tmp_path):

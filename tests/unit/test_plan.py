@@ -74,12 +74,36 @@ def test_bad_arguments_exit_2_with_one_line(capsys, argv):
     assert err.startswith("error: ") and "\n" not in err
 
 
+def run_planner(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "hybrid3d.plan", *argv], capture_output=True, text=True, timeout=300)
+
+
+# What DeepSpeed's logger prints (`[WARNING] [real_accelerator.py:...] Setting accelerator to CPU ...` on import,
+# `ds_accelerator` lines when it detects one)
+DEEPSPEED_LOG_MARKS = ("[WARNING]", "[INFO]", "real_accelerator", "ds_accelerator")
+
+
+def deepspeed_log_lines(result: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in (result.stdout + result.stderr).splitlines()
+            if any(mark in line for mark in DEEPSPEED_LOG_MARKS)]
+
+
 def test_cli_process_exit_code(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "hybrid3d.plan", "--model", str(tmp_path), "--gpus", "8",
-                             "--gpu-memory", "80"], capture_output=True, text=True)
+    result = run_planner("--model", str(tmp_path), "--gpus", "8", "--gpu-memory", "80")
     assert result.returncode == 2
-    assert result.stderr.strip().splitlines()[-1].startswith("error: ")
-    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("error: ") and "\n" not in result.stderr.strip() and "Traceback" not in result.stderr
+    assert deepspeed_log_lines(result) == []
+
+
+def test_cli_answer_comes_first_without_deepspeed_log():
+    """The planner imports DeepSpeed (its solver, schedules, topology) but needs no accelerator: DeepSpeed's
+    detection line is held back (hybrid3d/plan.py), so the answer, or the usage, is the first line."""
+    answer = run_planner("--model", "llama3-8b", "--gpus", "8", "--gpu-memory", "80")
+    assert answer.returncode == 0, answer.stderr
+    assert answer.stdout.startswith("llama3-8b: 8 x 80 GB") and answer.stderr == ""
+    usage = run_planner("--help")
+    assert usage.returncode == 0 and usage.stdout.startswith("usage: python -m hybrid3d.plan") and usage.stderr == ""
+    assert deepspeed_log_lines(answer) == deepspeed_log_lines(usage) == []
 
 
 def test_context_parallelism_refusals(llama3_8b):
