@@ -53,21 +53,21 @@ class HybridCheckpoint:
     @classmethod
     def open(cls, checkpoint_dir, tag: Optional[str] = None, allow_pickle: bool = False) -> "HybridCheckpoint":
         tag_dir, _ = ds_files.resolve_tag_dir(Path(checkpoint_dir), tag)
-        first = ds_files.model_states_file(tag_dir, 0, 0, 1)
-        zero3 = not first.is_file() and ds_files.zero3_model_states_file(tag_dir, 0, 0, 0, 1).is_file()
-        if zero3:
-            first = ds_files.zero3_model_states_file(tag_dir, 0, 0, 0, 1)
+        zero3 = (not ds_files.model_states_file(tag_dir, 0, 0, 1).is_file()
+                 and ds_files.zero3_model_states_file(tag_dir, 0, 0, 0, 1).is_file())
+        first = _rank_file(tag_dir, 0, 0, 1, zero3)
         if not first.is_file():
             raise ConversionError(f"{first}: not found")
         record = load_torch_file(first, allow_pickle)
         module = record.pop("module", None) or {}
         tp, pp = _layout(record, first)
-        dtype = next(iter(module.values())).dtype if zero3 and module else (torch.float32 if zero3 else None)
+        dtype = None
+        if zero3:  # the (empty) partitioned module tensors keep the compute dtype
+            dtype = next(iter(module.values())).dtype if module else torch.float32
         checkpoint = cls(tag_dir.parent, tag_dir, tp, pp, record, allow_pickle, zero3_dtype=dtype)
         for stage in range(pp):
             for rank in range(tp):
-                path = (ds_files.zero3_model_states_file(tag_dir, 0, stage, rank, tp) if zero3
-                        else ds_files.model_states_file(tag_dir, stage, rank, tp))
+                path = _rank_file(tag_dir, stage, rank, tp, zero3)
                 if not path.is_file():
                     raise ConversionError(f"{path}: not found (a tp={tp} pp={pp} checkpoint has "
                                           f"{tp * pp} mp_rank files)")
@@ -78,7 +78,7 @@ class HybridCheckpoint:
         if rank not in self._consolidated:
             frozen_excluded = bool(self.record.get("frozen_param_shapes"))  # LoRA: the optimizer holds adapters only
             self._consolidated[rank] = consolidated_tp_rank(self.tag_dir, rank, frozen_excluded)
-        return ds_files.zero3_model_states_file(self.tag_dir, 0, 0, rank, self.tp), self._consolidated[rank]
+        return _rank_file(self.tag_dir, 0, rank, self.tp, zero3=True), self._consolidated[rank]
 
     @property
     def section(self) -> dict:
@@ -134,6 +134,13 @@ class HybridCheckpoint:
         if not tensors:
             raise ConversionError(f"{path}: holds no weights of layer 0 (the embedding)")
         return next(iter(tensors.values())).dtype
+
+
+def _rank_file(tag_dir: Path, stage: int, tp_rank: int, tp: int, zero3: bool) -> Path:
+    """The engine's record of (stage, TP rank): data-parallel rank 0's with ZeRO-3, else the mp_rank file."""
+    if zero3:
+        return ds_files.zero3_model_states_file(tag_dir, 0, stage, tp_rank, tp)
+    return ds_files.model_states_file(tag_dir, stage, tp_rank, tp)
 
 
 def _layout(record: dict, path: Path) -> tuple[int, int]:

@@ -11,7 +11,7 @@ that owns `p`. So anything that reads or writes a whole parameter outside that w
 - `gathered` / `written`: one parameter whole for a read or a write (HF weights in, the HF state dict out);
 - `used_outside_forward`: the tied LM head reads the embedding's weight in the top module's forward;
 - `held`: what a rank holds of a parameter (a check that every weight is finite reads it);
-- `full_shape`, `full_numel`: a parameter's real size whether partitioned or not.
+- `full_numel`: a parameter's real size whether partitioned or not.
 
 Non-partitioned parameters (ZeRO-0/1/2, or no engine yet) pass through unchanged, so callers need not know the stage.
 """
@@ -40,20 +40,21 @@ def partitioned_build(ds_config: dict, groups, enabled: bool):
 
 def gathered(params):
     """The whole tensors of `params` inside the block, for reading; re-partitioned after, unchanged."""
-    import deepspeed
-
-    params = [p for p in params if is_partitioned(p)]
-    return deepspeed.zero.GatheredParameters(params) if params else contextlib.nullcontext()
+    return _gathered(params, modifier_rank=None)
 
 
 def written(params):
     """The whole tensors of `params` inside the block, for writing: data-parallel rank 0's values are broadcast and
     re-partitioned on exit (with `modifier_rank=None` DeepSpeed would keep the old partitions), so every rank must
     write the same values."""
+    return _gathered(params, modifier_rank=0)
+
+
+def _gathered(params, modifier_rank):
     import deepspeed
 
     params = [p for p in params if is_partitioned(p)]
-    return deepspeed.zero.GatheredParameters(params, modifier_rank=0) if params else contextlib.nullcontext()
+    return deepspeed.zero.GatheredParameters(params, modifier_rank=modifier_rank) if params else contextlib.nullcontext()
 
 
 def used_outside_forward(module: torch.nn.Module, param: torch.nn.Parameter) -> None:
@@ -70,10 +71,6 @@ def held(param: torch.Tensor) -> torch.Tensor:
     return param.ds_tensor if is_partitioned(param) else param
 
 
-def full_shape(param: torch.Tensor) -> torch.Size:
-    return param.ds_shape if is_partitioned(param) else param.shape
-
-
 def full_numel(param: torch.Tensor) -> int:
     return param.ds_numel if is_partitioned(param) else param.numel()
 
@@ -82,7 +79,7 @@ def partition_numels(params) -> tuple[int, int]:
     """(elements this rank holds, elements of the whole tensors) over ZeRO-3's `params`: its partitions
     (`ds_tensor`, 1/Nd of each tensor, padded) against `ds_numel`."""
     params = [p for p in params if is_partitioned(p)]
-    return sum(p.ds_tensor.numel() for p in params), sum(p.ds_numel for p in params)
+    return sum(held(p).numel() for p in params), sum(full_numel(p) for p in params)
 
 
 def offloaded(optimizer) -> dict:
