@@ -52,6 +52,11 @@ def is_indexed_prefix(path: str) -> bool:
     return os.path.isfile(idx_path(path)) or os.path.isfile(bin_path(path))
 
 
+def ids_fit(dtype, vocab_size: int) -> bool:
+    """Whether every value of `dtype` is a token id of the vocabulary (no id needs checking)."""
+    return np.iinfo(dtype).min >= 0 and np.iinfo(dtype).max < vocab_size
+
+
 def token_dtype(vocab_size: int):
     """Megatron's choice: uint16 when every id fits (below 65500), else int32."""
     return np.uint16 if vocab_size < 65500 else np.int32
@@ -113,18 +118,23 @@ class IndexedCorpus:
                               f"{bin_path(self.prefix)} ({self.num_tokens})")
         return np.memmap(path, mode="r", dtype=np.uint8) if self.num_tokens else np.zeros(0, dtype=np.uint8)
 
-    def check_vocabulary(self, vocab_size: int) -> None:
-        """Every id in [0, vocab_size): a scan in chunks (skipped when the dtype cannot hold a larger id)."""
-        info = np.iinfo(self.dtype)
-        if info.min >= 0 and info.max < vocab_size:
-            return
+    def token_range(self) -> tuple[int, int]:
+        """(smallest, largest) token id, scanned in chunks ((0, -1) when there is no token)."""
+        low, high = 0, -1
         for start in range(0, self.num_tokens, CHUNK):
             chunk = np.asarray(self.tokens[start:start + CHUNK])
-            low, high = int(chunk.min()), int(chunk.max())
-            if low < 0 or high >= vocab_size:
-                bad = high if high >= vocab_size else low
-                raise ConfigError(f"{self.where}: {bin_path(self.prefix)} holds token id {bad}, outside the model's "
-                                  f"vocabulary (vocab_size {vocab_size})")
+            low, high = (int(chunk.min()), int(chunk.max())) if start == 0 else (min(low, int(chunk.min())),
+                                                                                  max(high, int(chunk.max())))
+        return low, high
+
+    def check_vocabulary(self, vocab_size: int, token_range: Optional[tuple] = None) -> None:
+        """Every id in [0, vocab_size), from `token_range` (else a scan; none when the dtype cannot hold a bad id)."""
+        if ids_fit(self.dtype, vocab_size):
+            return
+        low, high = token_range or self.token_range()
+        if low < 0 or high >= vocab_size:
+            raise ConfigError(f"{self.where}: {bin_path(self.prefix)} holds token id {high if high >= vocab_size else low}"
+                              f", outside the model's vocabulary (vocab_size {vocab_size})")
 
 
 def _read_header(index: str, where: str):

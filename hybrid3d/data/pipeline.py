@@ -1,6 +1,6 @@
 """From a `hybrid3d.data` config section to packed train/eval samples.
 
-Local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a `save_to_disk` folder),
+A Megatron indexed-dataset prefix (P.bin + P.idx) is read memory-mapped by `indexed_source.py`. Other local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a `save_to_disk` folder),
 encoded per `hybrid3d.data.format` (`formats.py`: raw text, chat, prompt/completion, or pre-tokenized ids with
 optional labels) with `Dataset.map` (cached by `datasets`), and packed (`packing.py`). The packed arrays are
 cached as .npy files and memory-mapped, so every rank reads the same tokens without holding its own copy.
@@ -22,6 +22,8 @@ import numpy as np
 from hybrid3d.config.sections import DataSection
 from hybrid3d.data.builtin import builtin_chat_path, builtin_corpus_path, cache_dir
 from hybrid3d.data.formats import encode_rows, is_finetuning, max_token_id, needs_tokenizer
+from hybrid3d.data.indexed import is_indexed_prefix
+from hybrid3d.data.indexed_source import indexed_data
 from hybrid3d.data.packing import PackedSamples
 from hybrid3d.errors import ConfigError
 
@@ -34,7 +36,7 @@ KEY = "hybrid3d.data"
 class TrainingData:
     train: PackedSamples
     eval: Optional[PackedSamples]
-    eos_id: int
+    eos_id: Optional[int]  # None: pre-tokenized data that needs none (a Megatron indexed dataset's documents)
     summary: str  # one line: what the training data holds
     finetuning: bool  # examples packed whole with a loss mask (else an EOS-joined stream)
 
@@ -214,31 +216,49 @@ def _samples(arrays: dict, key: str, what: str, seq_length: int) -> PackedSample
     return samples
 
 
+def _is_indexed(path: str, key: str) -> bool:
+    """Whether `path` is a Megatron indexed-dataset prefix (P.bin and P.idx beside it), not a file, folder or glob."""
+    if os.path.exists(path) and Path(path).suffix in (".bin", ".idx") and is_indexed_prefix(path[:-4]):
+        raise ConfigError(f"{key}: {path} is one file of an indexed dataset: give its prefix {path[:-4]} "
+                          "(without .bin/.idx)")
+    return not os.path.exists(path) and is_indexed_prefix(path)
+
+
+def _dataset(path: str, key: str, section: DataSection, tokenizers: TokenizerSource, vocab_size: int,
+             held_out_fraction: float):
+    """(train arrays, held-out arrays or None, account line, EOS id, finetuning) of one data path: the held-out
+    part is the last `held_out_fraction` of its documents (after the optional shuffle)."""
+    if _is_indexed(path, key):
+        def eos_id():  # only fine-tuning examples need one (their padding)
+            return tokenizers.config_eos_id if tokenizers.config_eos_id is not None else _tokenizer_eos(tokenizers)
+
+        train, held, account, finetuning = indexed_data(path, key, section, vocab_size, eos_id, held_out_fraction)
+        return train, held, account, tokenizers.config_eos_id, finetuning
+    documents = _ordered_documents(path, key, section)
+    held = None
+    if held_out_fraction:
+        count = len(documents)
+        held_out = max(1, int(round(count * held_out_fraction)))
+        if held_out >= count:
+            raise ConfigError(f"{KEY}.eval_fraction: {held_out_fraction} of {count} documents leaves none "
+                              "for training")
+        held = _packed(documents.select(range(count - held_out, count)), key, section, tokenizers, vocab_size)[0]
+        documents = documents.select(range(count - held_out))
+    arrays, account, eos_id = _packed(documents, key, section, tokenizers, vocab_size)
+    return arrays, held, account, eos_id, is_finetuning(documents.column_names, section.format)
+
+
 def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
     """Packed train (and eval) samples; the built-in corpus (or, for format 'chat', the built-in conversations)
     when no path is given."""
     path = section.path or str(builtin_chat_path() if section.format == "chat" else builtin_corpus_path())
-    documents = _ordered_documents(path, f"{KEY}.path", section)
-
-    def pack(docs, key):
-        return _packed(docs, key, section, tokenizers, vocab_size)
-
-    evaluation = None
+    train, evaluation, account, eos_id, finetuning = _dataset(
+        path, f"{KEY}.path", section, tokenizers, vocab_size, 0.0 if section.eval_path else section.eval_fraction)
+    eval_key = f"{KEY}.path"
     if section.eval_path:
         eval_key = f"{KEY}.eval_path"
-        evaluation = pack(_ordered_documents(section.eval_path, eval_key, section), eval_key)
-    elif section.eval_fraction:
-        count = len(documents)
-        held_out = max(1, int(round(count * section.eval_fraction)))
-        if held_out >= count:
-            raise ConfigError(f"{KEY}.eval_fraction: {section.eval_fraction} of {count} documents leaves none "
-                              "for training")
-        eval_key = f"{KEY}.path"
-        evaluation = pack(documents.select(range(count - held_out, count)), eval_key)
-        documents = documents.select(range(count - held_out))
-    arrays, account, eos_id = pack(documents, f"{KEY}.path")
-    train = _samples(arrays, f"{KEY}.seq_length", "training", section.seq_length)
+        evaluation = _dataset(section.eval_path, eval_key, section, tokenizers, vocab_size, 0.0)[0]
+    train = _samples(train, f"{KEY}.seq_length", "training", section.seq_length)
     if evaluation is not None:
-        evaluation = _samples(evaluation[0], eval_key, "evaluation", section.seq_length)
-    return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account,
-                        finetuning=is_finetuning(documents.column_names, section.format))
+        evaluation = _samples(evaluation, eval_key, "evaluation", section.seq_length)
+    return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account, finetuning=finetuning)
