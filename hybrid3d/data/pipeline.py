@@ -1,44 +1,45 @@
 """From a `hybrid3d.data` config section to packed train/eval samples.
 
-A Megatron indexed-dataset prefix (P.bin + P.idx) is read memory-mapped by `indexed_source.py`. Other local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a `save_to_disk` folder),
+A Megatron indexed-dataset prefix (P.bin + P.idx) is read memory-mapped by `indexed_source.py`. Other local files
+are read with the `datasets` library (`documents.py`: text, json/jsonl, parquet, arrow, a `save_to_disk` folder),
 encoded per `hybrid3d.data.format` (`formats.py`: raw text, chat, prompt/completion, or pre-tokenized ids with
 optional labels) with `Dataset.map` (cached by `datasets`), and packed (`packing.py`). The packed arrays are
 cached as .npy files and memory-mapped, so every rank reads the same tokens without holding its own copy.
 A tokenizer is loaded only when there is text to tokenize.
 """
 
-import glob
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
 from hybrid3d.config.sections import DataSection
+from hybrid3d.data.blended import BlendedSamples, BlendPart, part_names
 from hybrid3d.data.builtin import builtin_chat_path, builtin_corpus_path, cache_dir
+from hybrid3d.data.documents import ordered_documents
 from hybrid3d.data.formats import encode_rows, is_finetuning, max_token_id, needs_tokenizer
-from hybrid3d.data.indexed import is_indexed_prefix
+from hybrid3d.data.indexed import IndexedCorpus, is_indexed_prefix
 from hybrid3d.data.indexed_source import indexed_data
 from hybrid3d.data.packing import PackedSamples
 from hybrid3d.errors import ConfigError
 
-BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
-            ".arrow": "arrow"}
 KEY = "hybrid3d.data"
 
 
 @dataclass
 class TrainingData:
-    train: PackedSamples
-    eval: Optional[PackedSamples]
+    train: Union[PackedSamples, BlendedSamples]
+    eval: Optional[PackedSamples]  # data.eval_path, or a single dataset's held-out documents
     eos_id: Optional[int]  # None: pre-tokenized data that needs none (a Megatron indexed dataset's documents)
     summary: str  # one line: what the training data holds
     finetuning: bool  # examples packed whole with a loss mask (else an EOS-joined stream)
+    evals: dict = field(default_factory=dict)  # a blend's per-dataset evaluation samples, by dataset name
 
 
 @dataclass(frozen=True)
@@ -48,44 +49,6 @@ class TokenizerSource:
     load: Callable[[], object]
     identity: str
     config_eos_id: Optional[int]
-
-
-def _load_documents(path: str, key: str):
-    import datasets
-
-    if os.path.isdir(path):
-        if not (Path(path, "dataset_info.json").exists() or Path(path, "dataset_dict.json").exists()
-                or Path(path, "state.json").exists()):
-            raise ConfigError(f"{key}: {path} is a folder but not a datasets save_to_disk folder")
-        loaded = datasets.load_from_disk(path)
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise ConfigError(f"{key}: {path} has splits {sorted(loaded)} but no 'train'")
-            loaded = loaded["train"]
-        return loaded
-    files = sorted(glob.glob(path))
-    if not files:
-        raise ConfigError(f"{key}: no file matches {path}")
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise ConfigError(f"{key}: {path} holds no documents (empty file)")
-    suffixes = {Path(f).suffix.lower() for f in files}
-    builders = {BUILDERS.get(s) for s in suffixes}
-    if None in builders or len(builders) != 1:
-        raise ConfigError(f"{key}: cannot read {', '.join(sorted(suffixes))} files "
-                          f"(supported: {', '.join(sorted(BUILDERS))}, one kind at a time)")
-    try:
-        return datasets.load_dataset(builders.pop(), data_files=files, split="train")
-    except Exception as e:  # datasets raises many types for malformed files
-        raise ConfigError(f"{key}: cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
-
-
-def _ordered_documents(path: str, key: str, section: DataSection):
-    """The documents of `path`, after the optional seeded shuffle."""
-    documents = _load_documents(path, key)
-    if len(documents) == 0:
-        raise ConfigError(f"{key}: {path} holds no documents")
-    return documents.shuffle(seed=section.seed) if section.shuffle else documents
 
 
 def _stream_arrays(encoded, eos_id: int, seq_length: int, finetuning: bool) -> tuple[dict, str]:
@@ -234,7 +197,7 @@ def _dataset(path: str, key: str, section: DataSection, tokenizers: TokenizerSou
 
         train, held, account, finetuning = indexed_data(path, key, section, vocab_size, eos_id, held_out_fraction)
         return train, held, account, tokenizers.config_eos_id, finetuning
-    documents = _ordered_documents(path, key, section)
+    documents = ordered_documents(path, key, section.shuffle, section.seed)
     held = None
     if held_out_fraction:
         count = len(documents)
@@ -248,9 +211,19 @@ def _dataset(path: str, key: str, section: DataSection, tokenizers: TokenizerSou
     return arrays, held, account, eos_id, is_finetuning(documents.column_names, section.format)
 
 
+def data_paths(section: DataSection) -> list[tuple[str, str]]:
+    """(key, path) of every data path the section names."""
+    paths = [(f"{KEY}.{name}", getattr(section, name)) for name in ("path", "eval_path")]
+    for i, entry in enumerate(section.blend or []):
+        paths += [(f"{KEY}.blend[{i}].{name}", entry.get(name)) for name in ("path", "eval_path")]
+    return [(key, path) for key, path in paths if path is not None]
+
+
 def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
     """Packed train (and eval) samples; the built-in corpus (or, for format 'chat', the built-in conversations)
     when no path is given."""
+    if section.blend:
+        return _blend(section, tokenizers, vocab_size)
     path = section.path or str(builtin_chat_path() if section.format == "chat" else builtin_corpus_path())
     train, evaluation, account, eos_id, finetuning = _dataset(
         path, f"{KEY}.path", section, tokenizers, vocab_size, 0.0 if section.eval_path else section.eval_fraction)
@@ -262,3 +235,44 @@ def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab
     if evaluation is not None:
         evaluation = _samples(evaluation, eval_key, "evaluation", section.seq_length)
     return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account, finetuning=finetuning)
+
+
+def _blend(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
+    """Each entry packed as a dataset of its own, with its evaluation samples (its eval_path, else its held-out
+    `eval_fraction`), then blended."""
+    _check_token_types(section)
+    parts, evals, eos_ids, finetuning = [], {}, [], False
+    names = part_names([entry["path"] for entry in section.blend])
+    for i, (entry, name) in enumerate(zip(section.blend, names)):
+        key = f"{KEY}.blend[{i}]"
+        train, held, account, eos_id, tuning = _dataset(entry["path"], f"{key}.path", section, tokenizers,
+                                                        vocab_size, 0.0 if entry.get("eval_path") else
+                                                        section.eval_fraction)
+        if entry.get("eval_path"):
+            held = _dataset(entry["eval_path"], f"{key}.eval_path", section, tokenizers, vocab_size, 0.0)[0]
+        parts.append(BlendPart(name, _samples(train, f"{key}.path", "training", section.seq_length), entry["weight"],
+                               account))
+        if held is not None:
+            evals[name] = _samples(held, f"{key}.eval_path" if entry.get("eval_path") else f"{key}.path",
+                                   "evaluation", section.seq_length)
+        eos_ids.append(eos_id)
+        finetuning |= tuning
+    evaluation = None
+    if section.eval_path:
+        evaluation = _samples(_dataset(section.eval_path, f"{KEY}.eval_path", section, tokenizers, vocab_size,
+                                       0.0)[0], f"{KEY}.eval_path", "evaluation", section.seq_length)
+    return TrainingData(train=BlendedSamples(parts), eval=evaluation,
+                        eos_id=next((e for e in eos_ids if e is not None), None),
+                        summary=f"a blend of {len(parts)} datasets", finetuning=finetuning, evals=evals)
+
+
+def _check_token_types(section: DataSection) -> None:
+    """Megatron's preprocessing stores ids as uint16 below a 65,500-token vocabulary and int32 above: indexed datasets
+    of different token types were made with different tokenizers, whose ids mean different tokens."""
+    typed = [(i, entry["path"], IndexedCorpus(entry["path"]).dtype) for i, entry in enumerate(section.blend)
+             if _is_indexed(entry["path"], f"{KEY}.blend[{i}].path")]
+    for i, path, dtype in typed[1:]:
+        if dtype != typed[0][2]:
+            raise ConfigError(f"{KEY}.blend[{i}].path: {path} stores {np.dtype(dtype).name} token ids and "
+                              f"{typed[0][1]} (blend[{typed[0][0]}]) {np.dtype(typed[0][2]).name}: indexed datasets "
+                              "made with different tokenizers cannot be blended")
