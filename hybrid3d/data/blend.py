@@ -21,6 +21,7 @@ import numpy as np
 
 LANE = 4096  # samples per stretch
 GROUP = 1 << 16  # stretches per numpy pass (memory: GROUP x K int64 a few times)
+MARKS = 64  # counts kept at samples already reached
 
 
 def normalised(weights) -> np.ndarray:
@@ -77,24 +78,31 @@ class BlendIndex:
         # how far a stretch runs before its state is compared: a few windows of the rarest dataset
         self.warm = int(min(max(64, math.ceil(8 / positive.min())), 1 << 16))
         self.lane = max(LANE, 4 * self.warm)
-        self._known = (0, np.zeros(len(self.weights), np.int64))  # the furthest state computed: reads go forward
+        # counts at samples already reached (a few, the latest kept): reads go forward, or back within a global batch
+        self._marks = {0: np.zeros(len(self.weights), np.int64)}
 
     def steps(self, first: int, count: int) -> tuple[np.ndarray, np.ndarray]:
         """(dataset, sample within it) of global samples first..first+count-1."""
         datasets, samples, taken = blend_steps(self._weights, first, self.taken_at(first), count)
-        self._known = (first + count, np.asarray(taken, np.int64))
+        self._mark(first + count, np.asarray(taken, np.int64))
         return datasets, samples
 
     def taken_at(self, n: int) -> np.ndarray:
         """(K,) int64: the samples taken from each dataset before global sample n."""
-        start, taken = self._known if self._known[0] <= n else (0, np.zeros(len(self.weights), np.int64))
+        start = max(m for m in self._marks if m <= n)
+        taken = self._marks[start].copy()
         while (n - start) // self.lane >= 2:  # else one Python step per sample is as cheap
             lanes = min((n - start) // self.lane, GROUP)
             taken = self._lanes(start, taken, lanes)
             start += lanes * self.lane
         taken = np.asarray(blend_steps(self._weights, start, taken, n - start)[2], np.int64)
-        self._known = (n, taken)
+        self._mark(n, taken)
         return taken.copy()
+
+    def _mark(self, n: int, taken: np.ndarray) -> None:
+        self._marks[n] = taken.copy()
+        if len(self._marks) > MARKS:
+            del self._marks[next(m for m in self._marks if m != 0)]  # the oldest (insertion order), never sample 0
 
     def _lanes(self, start: int, taken: np.ndarray, lanes: int) -> np.ndarray:
         """The counts `lanes` stretches after `start` (where they are `taken`)."""
