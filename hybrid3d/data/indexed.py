@@ -82,7 +82,9 @@ class IndexedCorpus:
         self.sequence_lengths = np.frombuffer(raw, np.int32, sequences, offset)
         self.sequence_pointers = np.frombuffer(raw, np.int64, sequences, offset + sequences * 4)
         self.document_index = np.frombuffer(raw, np.int64, entries, offset + sequences * 12)
-        _check_document_index(self.document_index, sequences, index, where)
+        # True when document d is sequence d (Megatron's preprocessing without sentence splits, and hybrid3d's
+        # writer): a document's offset is then its sequence's pointer, found by one search of the pointers
+        self.one_sequence_each = _check_document_index(self.document_index, sequences, index, where)
         self.num_tokens = _check_contiguous(self.sequence_lengths, self.sequence_pointers, itemsize, index, where)
         size = os.path.getsize(data)
         if size < self.num_tokens * itemsize:
@@ -154,13 +156,18 @@ def _read_header(index: str, where: str):
     return dtype, sequences, entries, HEADER.size
 
 
-def _check_document_index(documents: np.ndarray, sequences: int, index: str, where: str) -> None:
+def _check_document_index(documents: np.ndarray, sequences: int, index: str, where: str) -> bool:
+    """Whether every document is one sequence, after checking the index runs 0..sequences without decreasing."""
     if documents[0] != 0 or documents[-1] != sequences:
         raise ConfigError(f"{where}: {index}: its document index runs {documents[0]}..{documents[-1]}, not 0.."
                           f"{sequences} (its sequences)")
+    one_each = True
     for start in range(0, len(documents) - 1, CHUNK):
-        if np.any(np.diff(documents[start:start + CHUNK + 1]) < 0):
+        steps = np.diff(documents[start:start + CHUNK + 1])
+        if np.any(steps < 0):
             raise ConfigError(f"{where}: {index}: its document index decreases")
+        one_each = one_each and bool(np.all(steps == 1))
+    return one_each
 
 
 def _check_contiguous(lengths: np.ndarray, pointers: np.ndarray, itemsize: int, index: str, where: str) -> int:

@@ -63,15 +63,19 @@ class CorpusStream:
         a, b = self.begin + a, self.begin + b
         if field == "tokens":
             return np.asarray(self.corpus.tokens[a:b])
-        # the documents that open in [a, b): offsets are non-decreasing in the document number, so two bisections
-        # over the memory-mapped index find them
-        def offset(d: int) -> int:
-            return int(self.corpus.document_offsets(d, d)[0])
+        corpus, itemsize = self.corpus, np.dtype(self.corpus.dtype).itemsize
+        if corpus.one_sequence_each:  # document offsets are the pointers (bytes)
+            lo, hi = np.searchsorted(corpus.sequence_pointers, [a * itemsize, b * itemsize])
+            offsets = np.append(np.asarray(corpus.sequence_pointers[lo:hi]) // itemsize,
+                                corpus.document_offsets(hi, hi))
+        else:  # offsets are non-decreasing in the document number: two bisections over the memory-mapped index
+            def offset(d: int) -> int:
+                return int(corpus.document_offsets(d, d)[0])
 
-        lo = bisect.bisect_left(range(self.first, self.stop), a, key=offset) + self.first
-        hi = bisect.bisect_left(range(lo, self.stop), b, key=offset) + lo
-        offsets = self.corpus.document_offsets(lo, hi)
-        opening = offsets[:-1][np.diff(offsets) > 0]  # an empty document opens nothing
+            lo = bisect.bisect_left(range(self.first, self.stop), a, key=offset) + self.first
+            hi = bisect.bisect_left(range(lo, self.stop), b, key=offset) + lo
+            offsets = corpus.document_offsets(lo, hi)
+        opening = offsets[:-1][np.diff(offsets) > 0]  # the documents that open in [a, b); an empty one opens nothing
         starts = np.zeros(b - a, dtype=np.uint8)
         starts[opening - a] = 1
         return starts

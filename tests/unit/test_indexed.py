@@ -5,6 +5,7 @@ import numpy as np
 import pytest
 
 from hybrid3d.data.indexed import IndexedCorpus, IndexedWriter, bin_path, idx_path, is_indexed_prefix, learn_path
+from hybrid3d.data.streams import CorpusStream
 from hybrid3d.errors import ConfigError
 from tests.megatron_oracle import megatron_datasets
 
@@ -33,6 +34,13 @@ def test_megatron_core_files_read_as_written(tmp_path, dtype):
         assert corpus.document(d).tolist() == doc.tolist()
     assert np.asarray(corpus.tokens).tolist() == np.concatenate(docs).tolist()
     assert corpus.learn_mask() is None
+    # the document starts of the stream (documents 3.. as stored), found by bisection (one document has three sequences)
+    stream = CorpusStream(corpus, 3)
+    lengths = [len(d) for d in docs[3:]]
+    expected = np.zeros(sum(lengths), dtype=np.uint8)
+    expected[np.cumsum([0] + lengths[:-1])[np.asarray(lengths) > 0]] = 1
+    assert not corpus.one_sequence_each and np.asarray(stream.starts).tolist() == expected.tolist()
+    assert stream.starts[5:40].tolist() == expected[5:40].tolist()
 
 
 @pytest.mark.parametrize("dtype", [np.uint16, np.int32])
