@@ -168,8 +168,9 @@ def _learn_from(column: str, given: list, ids: list, where: str) -> list[int]:
 def max_token_id(encoded) -> Optional[int]:
     """The largest id in an encoded dataset (None when empty)."""
     largest = None
-    for ids in encoded.with_format("numpy")["input_ids"]:
-        if len(ids):
-            top = int(ids.max())
-            largest = top if largest is None else max(largest, top)
+    for batch in encoded.with_format("numpy").iter(batch_size=1024):  # a batch of rows at a time, not the column
+        for ids in batch["input_ids"]:
+            if len(ids):
+                top = int(ids.max())
+                largest = top if largest is None else max(largest, top)
     return largest

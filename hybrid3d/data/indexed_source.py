@@ -2,8 +2,9 @@
 
 Pre-training data (no loss-mask sidecar) is the documents concatenated as stored: Megatron's GPT dataset adds
 nothing between documents (its preprocessing appends EOS when asked), so neither does this. Fine-tuning data (a
-`P.learn.bin` sidecar) is packed like fine-tuning rows (pipeline.py): examples whole, in order, next-fit into s-token
-spans padded with EOS, an example longer than s cut to it. `data.shuffle` permutes documents with the permutation
+`P.learn.bin` sidecar) is packed as examples: whole, in order, next-fit into s-token spans padded with EOS, an
+example longer than s cut to it (`_examples`). The training path's own tokenization cache is such a dataset too
+(pipeline.py), so both pack by this code. `data.shuffle` permutes documents with the permutation
 the `datasets` library's `Dataset.shuffle(seed)` draws (`np.random.default_rng(seed).permutation`), so the same
 documents given as `input_ids` rows pack identically; `eval_fraction` holds out the last documents of that order.
 
@@ -139,9 +140,10 @@ def _document_spans(corpus: IndexedCorpus, documents: np.ndarray) -> tuple[np.nd
 
 
 def _examples(corpus: IndexedCorpus, src, length, s: int):
-    """Fine-tuning examples placed next-fit into s-token spans (pipeline._example_bins' rule, from the lengths alone):
-    an example that does not fit in the span's rest starts the next span; one longer than s keeps its first s tokens
-    and is dropped when they hold no target; one padding token ends the stream."""
+    """Fine-tuning examples placed whole, in order, next-fit into s-token spans, each span's rest padded with EOS that
+    nothing learns: an example that does not fit in the span's rest starts the next span; one longer than s keeps its
+    first s tokens and is dropped when they hold no target; one padding token ends the stream (the last sample's
+    (s+1)-th token). Decided from the lengths (and a long example's mask) alone: the tokens stay on disk."""
     mask = corpus.learn_mask()
     kept_src, kept_length, dest = [], [], []
     fill = position = truncated = dropped = learned = 0

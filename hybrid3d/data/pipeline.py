@@ -3,11 +3,13 @@
 A Megatron indexed-dataset prefix (P.bin + P.idx) is read memory-mapped by `indexed_source.py`. Other local files
 are read with the `datasets` library (`documents.py`: text, json/jsonl, parquet, arrow, a `save_to_disk` folder),
 encoded per `hybrid3d.data.format` (`formats.py`: raw text, chat, prompt/completion, or pre-tokenized ids with
-optional labels) with `Dataset.map` (cached by `datasets`), and packed (`packing.py`). The packed arrays are
-cached as .npy files and memory-mapped, so every rank reads the same tokens without holding its own copy.
+optional labels) with `Dataset.map` (cached by `datasets`), written once into hybrid3d's cache as an indexed
+dataset (the one on-disk format: what `python -m hybrid3d.data.preprocess` writes) and read like one, memory-mapped,
+so every rank reads the same tokens without holding its own copy, and packed (`packing.py`).
 A tokenizer is loaded only when there is text to tokenize.
 """
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -24,7 +26,7 @@ from hybrid3d.data.blended import BlendedSamples, BlendPart, part_names
 from hybrid3d.data.builtin import builtin_chat_path, builtin_corpus_path, cache_dir
 from hybrid3d.data.documents import ordered_documents
 from hybrid3d.data.formats import encode_rows, is_finetuning, max_token_id, needs_tokenizer
-from hybrid3d.data.indexed import IndexedCorpus, is_indexed_prefix
+from hybrid3d.data.indexed import IndexedCorpus, IndexedWriter, is_indexed_prefix
 from hybrid3d.data.indexed_source import indexed_data
 from hybrid3d.data.packing import PackedSamples
 from hybrid3d.errors import ConfigError
@@ -49,64 +51,6 @@ class TokenizerSource:
     load: Callable[[], object]
     identity: str
     config_eos_id: Optional[int]
-
-
-def _stream_arrays(encoded, eos_id: int, seq_length: int, finetuning: bool) -> tuple[dict, str]:
-    """The packed arrays {tokens, starts[, learn]} of encoded rows, and a one-line account of them."""
-    if not finetuning:
-        parts, starts = [], []
-        for ids in encoded.with_format("numpy")["input_ids"]:
-            parts.extend((np.asarray(ids), [eos_id]))
-            starts.extend((np.eye(1, len(ids) + 1, dtype=np.uint8)[0],))
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        arrays = {"tokens": tokens, "starts": np.concatenate(starts) if starts else np.zeros(0, dtype=np.uint8)}
-        return arrays, f"{len(encoded):,} documents, {len(tokens):,} tokens"
-    return _example_bins(encoded, eos_id, seq_length)
-
-
-def _example_bins(encoded, eos_id: int, s: int) -> tuple[dict, str]:
-    """Fine-tuning examples placed whole, in order, into spans of s tokens (next-fit), each span's rest padded
-    with EOS that nothing learns; an example longer than s keeps its first s tokens (dropped if that leaves no
-    target). One padding token ends the stream: the last sample's (s+1)-th token."""
-    tokens, learn, starts = [], [], []
-    fill, truncated, dropped, learned = 0, 0, 0, 0
-    for ids, mask in zip(encoded["input_ids"], encoded["learn"]):
-        if len(ids) > s:
-            truncated += 1
-            ids, mask = ids[:s], mask[:s]
-            if not any(mask[1:]):
-                dropped += 1
-                continue
-        if fill + len(ids) > s:  # pad the span and start the next one
-            _pad(tokens, learn, starts, s - fill, eos_id)
-            fill = 0
-        tokens.extend(ids)
-        learn.extend([0] + list(mask[1:]))  # an example's first token is never predicted from its own tokens
-        starts.extend([1] + [0] * (len(ids) - 1))
-        learned += sum(mask[1:])
-        fill += len(ids)
-    if not tokens:
-        raise ConfigError(f"{KEY}.seq_length: every example is longer than seq_length {s} with nothing to learn "
-                          "in its first tokens")
-    _pad(tokens, learn, starts, s - fill + 1, eos_id)
-    arrays = {"tokens": np.asarray(tokens), "learn": np.asarray(learn, dtype=np.uint8),
-              "starts": np.asarray(starts, dtype=np.uint8)}
-    account = (f"{len(encoded) - dropped:,} examples in {(len(tokens) - 1) // s:,} samples of {s} tokens, "
-               f"{learned:,} targets learned ({learned / (len(tokens) - 1):.0%} of the tokens)")
-    if truncated:
-        account += f"; {truncated:,} longer than {s} tokens cut to it ({dropped:,} of them dropped: nothing to learn)"
-    return arrays, account
-
-
-def _pad(tokens: list, learn: list, starts: list, count: int, eos_id: int) -> None:
-    if count > 0:
-        tokens.extend([eos_id] * count)
-        learn.extend([0] * count)
-        starts.extend([1] + [0] * (count - 1))
-
-
-def _narrow(tokens: np.ndarray) -> np.ndarray:
-    return tokens.astype(np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64)
 
 
 def _cache_key(*parts) -> str:
@@ -136,35 +80,43 @@ def _encoded(documents, where: str, section: DataSection, tokenizers: TokenizerS
 
 
 def _packed(documents, where: str, section: DataSection, tokenizers: TokenizerSource, vocab_size: int):
-    """(arrays {tokens, starts[, learn]}, account line, EOS id) of one dataset, built once and cached."""
-    finetuning = is_finetuning(documents.column_names, section.format)
+    """(arrays {tokens, starts[, learn]}, account line, EOS id) of one dataset. Its encoded rows are written once
+    into the cache as an indexed dataset (pre-training documents each followed by the EOS that joins them), which
+    is then read like any other (`indexed_source.py`)."""
     pretokenized = not needs_tokenizer(documents.column_names)
-    key = _cache_key("v2", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
+    key = _cache_key("v3", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
                      section.format, section.text_field,
                      (tokenizers.config_eos_id if tokenizers.config_eos_id is not None else tokenizers.identity)
-                     if pretokenized else None,  # the EOS joining pre-tokenized documents, or where it comes from
-                     section.seq_length if finetuning else None)
+                     if pretokenized else None)  # the EOS joining pre-tokenized documents, or where it comes from
     folder = cache_dir() / "packed" / key
-    if not (folder / "account.json").exists():
+    if not (folder / "record.json").exists():
         encoded, eos_id = _encoded(documents, where, section, tokenizers)
         largest = max_token_id(encoded)
         if largest is not None and largest >= vocab_size:
             raise ConfigError(f"{KEY}: {where} holds token id {largest}, beyond the model's vocab_size {vocab_size}")
-        arrays, account = _stream_arrays(encoded, eos_id, section.seq_length, finetuning)
-        _write_arrays(folder, arrays, {"account": account, "eos_id": eos_id})
-    record = json.loads((folder / "account.json").read_text())
-    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r")
-              for name in ("tokens", "learn", "starts") if (folder / f"{name}.npy").exists()}
-    return arrays, record["account"], record["eos_id"]
+        _write_documents(folder, encoded, eos_id, is_finetuning(documents.column_names, section.format),
+                         max(largest or 0, eos_id or 0))
+    eos_id = json.loads((folder / "record.json").read_text())["eos_id"]
+    # the documents are cached in the order already drawn: no second shuffle
+    arrays, _, account, _ = indexed_data(str(folder / "documents"), where, dataclasses.replace(section, shuffle=False),
+                                         vocab_size, lambda: eos_id, 0.0)
+    return arrays, account, eos_id
 
 
-def _write_arrays(folder: Path, arrays: dict, record: dict) -> None:
-    """Write the arrays and their record into a temporary folder, then rename it into place (atomic)."""
+def _write_documents(folder: Path, encoded, eos_id: Optional[int], finetuning: bool, largest: int) -> None:
+    """The encoded rows (and their loss masks) as `documents.bin/.idx[.learn.bin]` in a temporary folder, streamed a
+    batch at a time, then renamed into place (atomic: the node leaders may share the cache)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    for name, array in arrays.items():
-        np.save(tmp / f"{name}.npy", _narrow(array) if name == "tokens" else array)
-    (tmp / "account.json").write_text(json.dumps(record))
+    dtype = np.uint16 if largest < 2**16 else np.int32 if largest < 2**31 else np.int64
+    with IndexedWriter(tmp / "documents", dtype, learn=finetuning) as writer:
+        for batch in encoded.with_format("numpy").iter(batch_size=1024):
+            for j, ids in enumerate(batch["input_ids"]):
+                if finetuning:
+                    writer.add_document(ids, batch["learn"][j])
+                else:
+                    writer.add_document(np.append(np.asarray(ids, dtype=np.int64), eos_id))
+    (tmp / "record.json").write_text(json.dumps({"eos_id": eos_id}))
     try:
         os.replace(tmp, folder)
     except OSError:  # another process finished first
