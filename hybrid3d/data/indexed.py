@@ -135,8 +135,9 @@ class IndexedCorpus:
             return
         low, high = token_range or self.token_range()
         if low < 0 or high >= vocab_size:
-            raise ConfigError(f"{self.where}: {bin_path(self.prefix)} holds token id {high if high >= vocab_size else low}"
-                              f", outside the model's vocabulary (vocab_size {vocab_size})")
+            bad = high if high >= vocab_size else low
+            raise ConfigError(f"{self.where}: {bin_path(self.prefix)} holds token id {bad}, outside the model's "
+                              f"vocabulary (vocab_size {vocab_size})")
 
 
 def _read_header(index: str, where: str):
@@ -206,6 +207,8 @@ class IndexedWriter:
             raise ValueError(f"token ids {tokens.min()}..{tokens.max()} do not fit {self.dtype.name}")
         self._bin.write(tokens.astype(self.dtype, copy=False).tobytes())
         self._lengths.write(np.int32(tokens.size).tobytes())
+        if (learn is not None) != (self._learn is not None):
+            raise ValueError("a loss mask goes with every document of a writer made with learn=True, and only there")
         if self._learn is not None:
             mask = np.asarray(learn, dtype=np.uint8)
             if mask.shape != tokens.shape:
