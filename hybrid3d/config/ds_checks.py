@@ -210,9 +210,12 @@ def check_pipeline_schedule(ds: dict, hybrid: HybridSection) -> None:
 def check_evaluation(hybrid: HybridSection) -> None:
     """An evaluation schedule needs data to evaluate on (checked with the config, so a shipped recipe that
     lacks it fails its test, not its first launch)."""
-    if hybrid.train.eval_interval and not (hybrid.data.eval_path or hybrid.data.eval_fraction):
+    data = hybrid.data
+    per_dataset = any(entry.get("eval_path") for entry in data.blend or [])
+    if hybrid.train.eval_interval and not (data.eval_path or data.eval_fraction or per_dataset):
         raise ConfigError(f"{SECTION}.train.eval_interval needs {SECTION}.data.eval_path or "
-                          f"{SECTION}.data.eval_fraction")
+                          f"{SECTION}.data.eval_fraction" + (" (or an eval_path in data.blend's entries)"
+                                                             if data.blend else ""))
 
 
 def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:

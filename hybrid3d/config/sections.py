@@ -7,6 +7,7 @@ import typing
 from dataclasses import dataclass, field, fields
 from typing import Any, Optional
 
+from hybrid3d.config.blend_entries import check_blend
 from hybrid3d.errors import ConfigError
 
 SECTION = "hybrid3d"
@@ -23,7 +24,12 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    path: Optional[str] = None  # text/json/jsonl/parquet file(s), a save_to_disk folder; None = built-in corpus
+    # text/json/jsonl/parquet file(s), a save_to_disk folder, a Megatron indexed-dataset prefix (P for P.bin + P.idx);
+    # None = built-in corpus
+    path: Optional[str] = None
+    # a weighted blend instead of `path`: [{"path": ..., "weight": w, "eval_path": optional}, ...] (weights normalised;
+    # megatron-core's blending order, hybrid3d.data.blend)
+    blend: Optional[list] = None
     text_field: str = "text"
     tokenizer: Optional[str] = None  # HF tokenizer folder; None = the model folder's, else the built-in one
     seq_length: int = 128
@@ -223,6 +229,7 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
         raise ConfigError(f"{SECTION}.model.hf_model and {SECTION}.model.preset are exclusive: set one")
     if model.init_from_hf and not model.hf_model:
         raise ConfigError(f"{SECTION}.model.init_from_hf needs {SECTION}.model.hf_model")
+    check_blend(section.data.blend, section.data.path)
     _check_lora(section)
     _check_context_parallel_comm(section)
     if section.partition_method not in PARTITION_METHODS:

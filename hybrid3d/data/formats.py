@@ -33,17 +33,22 @@ def needs_tokenizer(columns: list[str]) -> bool:
     return "input_ids" not in columns
 
 
+def row_encoder(columns: list[str], data_format: str, text_field: str, tokenizer, eos_id: int, where: str):
+    """`encode(row, index)` -> {"input_ids"[, "learn"]} for rows with these columns, checking each row; `where`
+    names the data path (key or file) in errors."""
+    if "input_ids" in columns:
+        return _pretokenized(columns, where)
+    if tokenizer is None:
+        raise ConfigError(f"{KEY}.tokenizer: {where} holds text to tokenize but no tokenizer was found (set "
+                          f"{KEY}.tokenizer to a tokenizer folder, or give pre-tokenized `input_ids`)")
+    return {"text": _text, "chat": _chat, "prompt_completion": _prompt_completion}[data_format](
+        columns, text_field, tokenizer, eos_id, where)
+
+
 def encode_rows(documents, data_format: str, text_field: str, tokenizer, eos_id: int, where: str):
     """Map a `datasets.Dataset` to input_ids (+ learn), checking every row; `where` names the data path key."""
     columns = documents.column_names
-    if "input_ids" in columns:
-        encode = _pretokenized(columns, where)
-    else:
-        if tokenizer is None:
-            raise ConfigError(f"{KEY}.tokenizer: {where} holds text to tokenize but no tokenizer was found (set "
-                              f"{KEY}.tokenizer to a tokenizer folder, or give pre-tokenized `input_ids`)")
-        encode = {"text": _text, "chat": _chat, "prompt_completion": _prompt_completion}[data_format](
-            columns, text_field, tokenizer, eos_id, where)
+    encode = row_encoder(columns, data_format, text_field, tokenizer, eos_id, where)
     return documents.map(encode, with_indices=True, remove_columns=columns, desc="tokenizing")
 
 
@@ -163,8 +168,9 @@ def _learn_from(column: str, given: list, ids: list, where: str) -> list[int]:
 def max_token_id(encoded) -> Optional[int]:
     """The largest id in an encoded dataset (None when empty)."""
     largest = None
-    for ids in encoded.with_format("numpy")["input_ids"]:
-        if len(ids):
-            top = int(ids.max())
-            largest = top if largest is None else max(largest, top)
+    for batch in encoded.with_format("numpy").iter(batch_size=1024):  # a batch of rows at a time, not the column
+        for ids in batch["input_ids"]:
+            if len(ids):
+                top = int(ids.max())
+                largest = top if largest is None else max(largest, top)
     return largest

@@ -32,6 +32,11 @@ class PackedSamples:
     def __len__(self) -> int:
         return max((len(self.tokens) - 1) // self.seq_length, 0)
 
+    @property
+    def every_target_counts(self) -> bool:
+        """No loss mask: without document masking, a global batch counts B·s targets (nothing to read)."""
+        return self.learn is None
+
     def _window(self, array: np.ndarray, index: int) -> np.ndarray:  # (s + 1,)
         start = (index % len(self)) * self.seq_length
         return np.asarray(array[start:start + self.seq_length + 1])
@@ -84,7 +89,7 @@ def micro_batches(samples: PackedSamples, first_sample: int, global_batch: int, 
     first = first_sample + dp_rank * share
     ids = torch.from_numpy(np.stack([samples.sample(first + j)[:-1] for j in range(share)]).astype(np.int64))
     targets = np.stack([samples.targets(first + j, document_mask) for j in range(share)])
-    if samples.learn is None and not document_mask:  # every target counts
+    if samples.every_target_counts and not document_mask:
         counted = global_batch * samples.seq_length
     else:  # the loss's denominator counts the whole global batch: the other shares' masks (1 byte a token), not
         # their tokens

@@ -1,42 +1,47 @@
 """From a `hybrid3d.data` config section to packed train/eval samples.
 
-Local files are read with the `datasets` library (text, json/jsonl, parquet, arrow, or a `save_to_disk` folder),
+A Megatron indexed-dataset prefix (P.bin + P.idx) is read memory-mapped by `indexed_source.py`. Other local files
+are read with the `datasets` library (`documents.py`: text, json/jsonl, parquet, arrow, a `save_to_disk` folder),
 encoded per `hybrid3d.data.format` (`formats.py`: raw text, chat, prompt/completion, or pre-tokenized ids with
-optional labels) with `Dataset.map` (cached by `datasets`), and packed (`packing.py`). The packed arrays are
-cached as .npy files and memory-mapped, so every rank reads the same tokens without holding its own copy.
+optional labels) with `Dataset.map` (cached by `datasets`), written once into hybrid3d's cache as an indexed
+dataset (the one on-disk format: what `python -m hybrid3d.data.preprocess` writes) and read like one, memory-mapped,
+so every rank reads the same tokens without holding its own copy, and packed (`packing.py`).
 A tokenizer is loaded only when there is text to tokenize.
 """
 
-import glob
+import dataclasses
 import hashlib
 import json
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Callable, Optional, Union
 
 import numpy as np
 
 from hybrid3d.config.sections import DataSection
+from hybrid3d.data.blended import BlendedSamples, BlendPart, part_names
 from hybrid3d.data.builtin import builtin_chat_path, builtin_corpus_path, cache_dir
+from hybrid3d.data.documents import ordered_documents
 from hybrid3d.data.formats import encode_rows, is_finetuning, max_token_id, needs_tokenizer
+from hybrid3d.data.indexed import IndexedCorpus, IndexedWriter, is_indexed_prefix
+from hybrid3d.data.indexed_source import indexed_data
 from hybrid3d.data.packing import PackedSamples
 from hybrid3d.errors import ConfigError
 
-BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet",
-            ".arrow": "arrow"}
 KEY = "hybrid3d.data"
 
 
 @dataclass
 class TrainingData:
-    train: PackedSamples
-    eval: Optional[PackedSamples]
-    eos_id: int
+    train: Union[PackedSamples, BlendedSamples]
+    eval: Optional[PackedSamples]  # data.eval_path, or a single dataset's held-out documents
+    eos_id: Optional[int]  # None: pre-tokenized data that needs none (a Megatron indexed dataset's documents)
     summary: str  # one line: what the training data holds
     finetuning: bool  # examples packed whole with a loss mask (else an EOS-joined stream)
+    evals: dict = field(default_factory=dict)  # a blend's per-dataset evaluation samples, by dataset name
 
 
 @dataclass(frozen=True)
@@ -46,102 +51,6 @@ class TokenizerSource:
     load: Callable[[], object]
     identity: str
     config_eos_id: Optional[int]
-
-
-def _load_documents(path: str, key: str):
-    import datasets
-
-    if os.path.isdir(path):
-        if not (Path(path, "dataset_info.json").exists() or Path(path, "dataset_dict.json").exists()
-                or Path(path, "state.json").exists()):
-            raise ConfigError(f"{key}: {path} is a folder but not a datasets save_to_disk folder")
-        loaded = datasets.load_from_disk(path)
-        if isinstance(loaded, datasets.DatasetDict):
-            if "train" not in loaded:
-                raise ConfigError(f"{key}: {path} has splits {sorted(loaded)} but no 'train'")
-            loaded = loaded["train"]
-        return loaded
-    files = sorted(glob.glob(path))
-    if not files:
-        raise ConfigError(f"{key}: no file matches {path}")
-    if all(os.path.getsize(f) == 0 for f in files):
-        raise ConfigError(f"{key}: {path} holds no documents (empty file)")
-    suffixes = {Path(f).suffix.lower() for f in files}
-    builders = {BUILDERS.get(s) for s in suffixes}
-    if None in builders or len(builders) != 1:
-        raise ConfigError(f"{key}: cannot read {', '.join(sorted(suffixes))} files "
-                          f"(supported: {', '.join(sorted(BUILDERS))}, one kind at a time)")
-    try:
-        return datasets.load_dataset(builders.pop(), data_files=files, split="train")
-    except Exception as e:  # datasets raises many types for malformed files
-        raise ConfigError(f"{key}: cannot read {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
-            from None
-
-
-def _ordered_documents(path: str, key: str, section: DataSection):
-    """The documents of `path`, after the optional seeded shuffle."""
-    documents = _load_documents(path, key)
-    if len(documents) == 0:
-        raise ConfigError(f"{key}: {path} holds no documents")
-    return documents.shuffle(seed=section.seed) if section.shuffle else documents
-
-
-def _stream_arrays(encoded, eos_id: int, seq_length: int, finetuning: bool) -> tuple[dict, str]:
-    """The packed arrays {tokens, starts[, learn]} of encoded rows, and a one-line account of them."""
-    if not finetuning:
-        parts, starts = [], []
-        for ids in encoded.with_format("numpy")["input_ids"]:
-            parts.extend((np.asarray(ids), [eos_id]))
-            starts.extend((np.eye(1, len(ids) + 1, dtype=np.uint8)[0],))
-        tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-        arrays = {"tokens": tokens, "starts": np.concatenate(starts) if starts else np.zeros(0, dtype=np.uint8)}
-        return arrays, f"{len(encoded):,} documents, {len(tokens):,} tokens"
-    return _example_bins(encoded, eos_id, seq_length)
-
-
-def _example_bins(encoded, eos_id: int, s: int) -> tuple[dict, str]:
-    """Fine-tuning examples placed whole, in order, into spans of s tokens (next-fit), each span's rest padded
-    with EOS that nothing learns; an example longer than s keeps its first s tokens (dropped if that leaves no
-    target). One padding token ends the stream: the last sample's (s+1)-th token."""
-    tokens, learn, starts = [], [], []
-    fill, truncated, dropped, learned = 0, 0, 0, 0
-    for ids, mask in zip(encoded["input_ids"], encoded["learn"]):
-        if len(ids) > s:
-            truncated += 1
-            ids, mask = ids[:s], mask[:s]
-            if not any(mask[1:]):
-                dropped += 1
-                continue
-        if fill + len(ids) > s:  # pad the span and start the next one
-            _pad(tokens, learn, starts, s - fill, eos_id)
-            fill = 0
-        tokens.extend(ids)
-        learn.extend([0] + list(mask[1:]))  # an example's first token is never predicted from its own tokens
-        starts.extend([1] + [0] * (len(ids) - 1))
-        learned += sum(mask[1:])
-        fill += len(ids)
-    if not tokens:
-        raise ConfigError(f"{KEY}.seq_length: every example is longer than seq_length {s} with nothing to learn "
-                          "in its first tokens")
-    _pad(tokens, learn, starts, s - fill + 1, eos_id)
-    arrays = {"tokens": np.asarray(tokens), "learn": np.asarray(learn, dtype=np.uint8),
-              "starts": np.asarray(starts, dtype=np.uint8)}
-    account = (f"{len(encoded) - dropped:,} examples in {(len(tokens) - 1) // s:,} samples of {s} tokens, "
-               f"{learned:,} targets learned ({learned / (len(tokens) - 1):.0%} of the tokens)")
-    if truncated:
-        account += f"; {truncated:,} longer than {s} tokens cut to it ({dropped:,} of them dropped: nothing to learn)"
-    return arrays, account
-
-
-def _pad(tokens: list, learn: list, starts: list, count: int, eos_id: int) -> None:
-    if count > 0:
-        tokens.extend([eos_id] * count)
-        learn.extend([0] * count)
-        starts.extend([1] + [0] * (count - 1))
-
-
-def _narrow(tokens: np.ndarray) -> np.ndarray:
-    return tokens.astype(np.int32 if tokens.size == 0 or tokens.max() < 2**31 - 1 else np.int64)
 
 
 def _cache_key(*parts) -> str:
@@ -171,35 +80,43 @@ def _encoded(documents, where: str, section: DataSection, tokenizers: TokenizerS
 
 
 def _packed(documents, where: str, section: DataSection, tokenizers: TokenizerSource, vocab_size: int):
-    """(arrays {tokens, starts[, learn]}, account line, EOS id) of one dataset, built once and cached."""
-    finetuning = is_finetuning(documents.column_names, section.format)
+    """(arrays {tokens, starts[, learn]}, account line, EOS id) of one dataset. Its encoded rows are written once
+    into the cache as an indexed dataset (pre-training documents each followed by the EOS that joins them), which
+    is then read like any other (`indexed_source.py`)."""
     pretokenized = not needs_tokenizer(documents.column_names)
-    key = _cache_key("v2", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
+    key = _cache_key("v3", documents._fingerprint, "pre-tokenized" if pretokenized else tokenizers.identity,
                      section.format, section.text_field,
                      (tokenizers.config_eos_id if tokenizers.config_eos_id is not None else tokenizers.identity)
-                     if pretokenized else None,  # the EOS joining pre-tokenized documents, or where it comes from
-                     section.seq_length if finetuning else None)
+                     if pretokenized else None)  # the EOS joining pre-tokenized documents, or where it comes from
     folder = cache_dir() / "packed" / key
-    if not (folder / "account.json").exists():
+    if not (folder / "record.json").exists():
         encoded, eos_id = _encoded(documents, where, section, tokenizers)
         largest = max_token_id(encoded)
         if largest is not None and largest >= vocab_size:
             raise ConfigError(f"{KEY}: {where} holds token id {largest}, beyond the model's vocab_size {vocab_size}")
-        arrays, account = _stream_arrays(encoded, eos_id, section.seq_length, finetuning)
-        _write_arrays(folder, arrays, {"account": account, "eos_id": eos_id})
-    record = json.loads((folder / "account.json").read_text())
-    arrays = {name: np.load(folder / f"{name}.npy", mmap_mode="r")
-              for name in ("tokens", "learn", "starts") if (folder / f"{name}.npy").exists()}
-    return arrays, record["account"], record["eos_id"]
+        _write_documents(folder, encoded, eos_id, is_finetuning(documents.column_names, section.format),
+                         max(largest or 0, eos_id or 0))
+    eos_id = json.loads((folder / "record.json").read_text())["eos_id"]
+    # the documents are cached in the order already drawn: no second shuffle
+    arrays, _, account, _ = indexed_data(str(folder / "documents"), where, dataclasses.replace(section, shuffle=False),
+                                         vocab_size, lambda: eos_id, 0.0)
+    return arrays, account, eos_id
 
 
-def _write_arrays(folder: Path, arrays: dict, record: dict) -> None:
-    """Write the arrays and their record into a temporary folder, then rename it into place (atomic)."""
+def _write_documents(folder: Path, encoded, eos_id: Optional[int], finetuning: bool, largest: int) -> None:
+    """The encoded rows (and their loss masks) as `documents.bin/.idx[.learn.bin]` in a temporary folder, streamed a
+    batch at a time, then renamed into place (atomic: the node leaders may share the cache)."""
     folder.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}."))
-    for name, array in arrays.items():
-        np.save(tmp / f"{name}.npy", _narrow(array) if name == "tokens" else array)
-    (tmp / "account.json").write_text(json.dumps(record))
+    dtype = np.uint16 if largest < 2**16 else np.int32 if largest < 2**31 else np.int64
+    with IndexedWriter(tmp / "documents", dtype, learn=finetuning) as writer:
+        for batch in encoded.with_format("numpy").iter(batch_size=1024):
+            for j, ids in enumerate(batch["input_ids"]):
+                if finetuning:
+                    writer.add_document(ids, batch["learn"][j])
+                else:
+                    writer.add_document(np.append(np.asarray(ids, dtype=np.int64), eos_id))
+    (tmp / "record.json").write_text(json.dumps({"eos_id": eos_id}))
     try:
         os.replace(tmp, folder)
     except OSError:  # another process finished first
@@ -214,31 +131,100 @@ def _samples(arrays: dict, key: str, what: str, seq_length: int) -> PackedSample
     return samples
 
 
+def _is_indexed(path: str, key: str) -> bool:
+    """Whether `path` is a Megatron indexed-dataset prefix (P.bin and P.idx beside it), not a file, folder or glob."""
+    if os.path.exists(path) and Path(path).suffix in (".bin", ".idx") and is_indexed_prefix(path[:-4]):
+        raise ConfigError(f"{key}: {path} is one file of an indexed dataset: give its prefix {path[:-4]} "
+                          "(without .bin/.idx)")
+    return not os.path.exists(path) and is_indexed_prefix(path)
+
+
+def _dataset(path: str, key: str, section: DataSection, tokenizers: TokenizerSource, vocab_size: int,
+             held_out_fraction: float):
+    """(train arrays, held-out arrays or None, account line, EOS id, finetuning) of one data path: the held-out
+    part is the last `held_out_fraction` of its documents (after the optional shuffle)."""
+    if _is_indexed(path, key):
+        def eos_id():  # only fine-tuning examples need one (their padding)
+            return tokenizers.config_eos_id if tokenizers.config_eos_id is not None else _tokenizer_eos(tokenizers)
+
+        train, held, account, finetuning = indexed_data(path, key, section, vocab_size, eos_id, held_out_fraction)
+        return train, held, account, tokenizers.config_eos_id, finetuning
+    documents = ordered_documents(path, key, section.shuffle, section.seed)
+    held = None
+    if held_out_fraction:
+        count = len(documents)
+        held_out = max(1, int(round(count * held_out_fraction)))
+        if held_out >= count:
+            raise ConfigError(f"{KEY}.eval_fraction: {held_out_fraction} of {count} documents leaves none "
+                              "for training")
+        held = _packed(documents.select(range(count - held_out, count)), key, section, tokenizers, vocab_size)[0]
+        documents = documents.select(range(count - held_out))
+    arrays, account, eos_id = _packed(documents, key, section, tokenizers, vocab_size)
+    return arrays, held, account, eos_id, is_finetuning(documents.column_names, section.format)
+
+
+def data_paths(section: DataSection) -> list[tuple[str, str]]:
+    """(key, path) of every data path the section names."""
+    paths = [(f"{KEY}.{name}", getattr(section, name)) for name in ("path", "eval_path")]
+    for i, entry in enumerate(section.blend or []):
+        paths += [(f"{KEY}.blend[{i}].{name}", entry.get(name)) for name in ("path", "eval_path")]
+    return [(key, path) for key, path in paths if path is not None]
+
+
 def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
     """Packed train (and eval) samples; the built-in corpus (or, for format 'chat', the built-in conversations)
     when no path is given."""
+    if section.blend:
+        return _blend(section, tokenizers, vocab_size)
     path = section.path or str(builtin_chat_path() if section.format == "chat" else builtin_corpus_path())
-    documents = _ordered_documents(path, f"{KEY}.path", section)
-
-    def pack(docs, key):
-        return _packed(docs, key, section, tokenizers, vocab_size)
-
-    evaluation = None
+    train, evaluation, account, eos_id, finetuning = _dataset(
+        path, f"{KEY}.path", section, tokenizers, vocab_size, 0.0 if section.eval_path else section.eval_fraction)
+    eval_key = f"{KEY}.path"
     if section.eval_path:
         eval_key = f"{KEY}.eval_path"
-        evaluation = pack(_ordered_documents(section.eval_path, eval_key, section), eval_key)
-    elif section.eval_fraction:
-        count = len(documents)
-        held_out = max(1, int(round(count * section.eval_fraction)))
-        if held_out >= count:
-            raise ConfigError(f"{KEY}.eval_fraction: {section.eval_fraction} of {count} documents leaves none "
-                              "for training")
-        eval_key = f"{KEY}.path"
-        evaluation = pack(documents.select(range(count - held_out, count)), eval_key)
-        documents = documents.select(range(count - held_out))
-    arrays, account, eos_id = pack(documents, f"{KEY}.path")
-    train = _samples(arrays, f"{KEY}.seq_length", "training", section.seq_length)
+        evaluation = _dataset(section.eval_path, eval_key, section, tokenizers, vocab_size, 0.0)[0]
+    train = _samples(train, f"{KEY}.seq_length", "training", section.seq_length)
     if evaluation is not None:
-        evaluation = _samples(evaluation[0], eval_key, "evaluation", section.seq_length)
-    return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account,
-                        finetuning=is_finetuning(documents.column_names, section.format))
+        evaluation = _samples(evaluation, eval_key, "evaluation", section.seq_length)
+    return TrainingData(train=train, eval=evaluation, eos_id=eos_id, summary=account, finetuning=finetuning)
+
+
+def _blend(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:
+    """Each entry packed as a dataset of its own, with its evaluation samples (its eval_path, else its held-out
+    `eval_fraction`), then blended."""
+    _check_token_types(section)
+    parts, evals, eos_ids, finetuning = [], {}, [], False
+    names = part_names([entry["path"] for entry in section.blend])
+    for i, (entry, name) in enumerate(zip(section.blend, names)):
+        key = f"{KEY}.blend[{i}]"
+        train, held, account, eos_id, tuning = _dataset(entry["path"], f"{key}.path", section, tokenizers,
+                                                        vocab_size, 0.0 if entry.get("eval_path") else
+                                                        section.eval_fraction)
+        if entry.get("eval_path"):
+            held = _dataset(entry["eval_path"], f"{key}.eval_path", section, tokenizers, vocab_size, 0.0)[0]
+        parts.append(BlendPart(name, _samples(train, f"{key}.path", "training", section.seq_length), entry["weight"],
+                               account))
+        if held is not None:
+            evals[name] = _samples(held, f"{key}.eval_path" if entry.get("eval_path") else f"{key}.path",
+                                   "evaluation", section.seq_length)
+        eos_ids.append(eos_id)
+        finetuning |= tuning
+    evaluation = None
+    if section.eval_path:
+        evaluation = _samples(_dataset(section.eval_path, f"{KEY}.eval_path", section, tokenizers, vocab_size,
+                                       0.0)[0], f"{KEY}.eval_path", "evaluation", section.seq_length)
+    return TrainingData(train=BlendedSamples(parts), eval=evaluation,
+                        eos_id=next((e for e in eos_ids if e is not None), None),
+                        summary=f"a blend of {len(parts)} datasets", finetuning=finetuning, evals=evals)
+
+
+def _check_token_types(section: DataSection) -> None:
+    """Megatron's preprocessing stores ids as uint16 below a 65,500-token vocabulary and int32 above: indexed datasets
+    of different token types were made with different tokenizers, whose ids mean different tokens."""
+    typed = [(i, entry["path"], IndexedCorpus(entry["path"]).dtype) for i, entry in enumerate(section.blend)
+             if _is_indexed(entry["path"], f"{KEY}.blend[{i}].path")]
+    for i, path, dtype in typed[1:]:
+        if dtype != typed[0][2]:
+            raise ConfigError(f"{KEY}.blend[{i}].path: {path} stores {np.dtype(dtype).name} token ids and "
+                              f"{typed[0][1]} (blend[{typed[0][0]}]) {np.dtype(typed[0][2]).name}: indexed datasets "
+                              "made with different tokenizers cannot be blended")

@@ -18,6 +18,8 @@ from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
 from hybrid3d.checkpoint.schema import recorded_schedule, saved_step as checkpoint_step, structure
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
 from hybrid3d.config.sections import SECTION, parse_hybrid_section, read_json
+from hybrid3d.data.indexed import is_indexed_prefix
+from hybrid3d.data.pipeline import data_paths
 from hybrid3d.ds_internals import check_deepspeed_version
 from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
 from hybrid3d.model.config import LlamaShape
@@ -100,10 +102,9 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     if data.seq_length > shape.max_position_embeddings:
         raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
-    if data.path is not None and not glob.glob(data.path):
-        raise ConfigError(f"hybrid3d.data.path: {data.path} does not exist")
-    if data.eval_path is not None and not Path(data.eval_path).exists():
-        raise ConfigError(f"hybrid3d.data.eval_path: {data.eval_path} does not exist")
+    for key, path in data_paths(data):
+        if not (glob.glob(path) or is_indexed_prefix(path)):
+            raise ConfigError(f"{key}: {path} does not exist")
     output_dir = Path(train.output_dir)
     if output_dir.exists() and not output_dir.is_dir():
         raise ConfigError(f"hybrid3d.train.output_dir: {output_dir} exists and is not a folder")

@@ -17,7 +17,8 @@ from hybrid3d.checkpoint.schema import client_section, layout_record, tag_record
 from hybrid3d.checkpoint.saver import CheckpointSaver, verify_archives, weights_are_finite
 from hybrid3d.checkpoint.universal import convert_to_universal, scratch_folder
 from hybrid3d.data import DataCursor, build_training_data, micro_batches
-from hybrid3d.data.baseline import MAX_TOKENS, unigram_entropy
+from hybrid3d.data.baseline import baseline_entropy
+from hybrid3d.data.blended import BlendedSamples
 from hybrid3d.ds_internals import pipeline_parts, pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.ds_internals.zero3 import full_numel
@@ -119,12 +120,29 @@ def sequence_split(layout, seq: int, device_type: str = "cpu") -> str:
     return f" ({seq // (layout.cp * (layout.tp if layout.sp else 1))} tokens per rank: {', '.join(parts)})"
 
 
-def evaluate(trainer, data, job, dp_rank) -> float:
+def evaluate(trainer, data, job, dp_rank) -> tuple[float, dict]:
+    """The eval loss, and a blend's loss per dataset by name ({} otherwise). A blend without data.eval_path scores
+    the datasets' losses weighted by its (normalised) weights: the loss on evaluation data drawn as it trains."""
     batch = job.config.sequences_per_step
-    losses = [trainer.eval_step(micro_batches(data.eval, k * batch, batch, dp_rank, job.layout.dp,
-                                              job.config.micro_batch_size, job.hybrid.data.document_mask))
-              for k in range(job.hybrid.train.eval_steps)]
-    return float(np.mean(losses))
+
+    def loss_on(samples) -> float:
+        return float(np.mean([trainer.eval_step(micro_batches(samples, k * batch, batch, dp_rank, job.layout.dp,
+                                                              job.config.micro_batch_size,
+                                                              job.hybrid.data.document_mask))
+                              for k in range(job.hybrid.train.eval_steps)]))
+
+    per_dataset = {name: loss_on(samples) for name, samples in data.evals.items()}
+    if data.eval is not None:
+        return loss_on(data.eval), per_dataset
+    weights = {part.name: w for part, w in zip(data.train.parts, data.train.index.weights)}
+    total = sum(weights[name] for name in per_dataset)
+    if total == 0:  # only datasets the blend never draws from are evaluated
+        return float(np.mean(list(per_dataset.values()))), per_dataset
+    return sum(weights[name] * loss for name, loss in per_dataset.items()) / total, per_dataset
+
+
+def dataset_losses(per_dataset: dict) -> str:
+    return f" [{', '.join(f'{name} {loss:.4f}' for name, loss in per_dataset.items())}]" if per_dataset else ""
 
 
 def load_checkpoint(trainer, plan, universal_dir: Path | None) -> dict:
@@ -186,6 +204,9 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
         lambda: build_training_data(hybrid.data, source.tokenizers(), source.hf_config.vocab_size), rank)
     info(f"data: {data.summary}" + (" (documents masked from each other)" if hybrid.data.document_mask else ""),
          is_rank0)
+    if isinstance(data.train, BlendedSamples) and is_rank0:
+        for line in data.train.lines(hybrid.train.steps * job.config.sequences_per_step):
+            info(line)
     universal_dir = None
     if job.plan is not None and job.plan.universal:
         info(f"resharding {job.plan.load_dir / job.plan.tag} (layout {job.plan.meta['layout']}) to {layout.name} "
@@ -222,10 +243,10 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
         info(line, is_rank0)
 
     if eval_only:
-        if data.eval is None:
+        if data.eval is None and not data.evals:
             raise ConfigError("--eval-only needs hybrid3d.data.eval_path or hybrid3d.data.eval_fraction")
-        eval_loss = evaluate(trainer, data, job, dp_rank)
-        info(f"eval_loss {eval_loss:.6f} perplexity {math.exp(min(eval_loss, 50)):.3f} "
+        eval_loss, per_dataset = evaluate(trainer, data, job, dp_rank)
+        info(f"eval_loss {eval_loss:.6f} perplexity {math.exp(min(eval_loss, 50)):.3f}{dataset_losses(per_dataset)} "
              f"({hybrid.train.eval_steps} batches, checkpoint step {step})", is_rank0)
         if universal_dir is not None:
             dist.barrier()  # every rank has loaded it
@@ -287,15 +308,10 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
 
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
     # fine-tuning data: the tokens the loss counts (answers), not the prompts and padding around them
-    learned = data.train.learn
-    baseline_tokens = (data.train.tokens if learned is None
-                       else np.asarray(data.train.tokens[:MAX_TOKENS])[np.asarray(learned[:MAX_TOKENS]) == 1])
-    baseline = unigram_entropy(baseline_tokens) if is_rank0 else None
+    baseline, what = baseline_entropy(data.train) if is_rank0 else (None, None)
     if is_rank0:
-        counted = "" if len(data.train.tokens) <= MAX_TOKENS else f" (the first {MAX_TOKENS:,})"
-        what = "training tokens" if learned is None else "learned target tokens"
-        info(f"unigram entropy of the {what}{counted}: {baseline:.3f} nats (the loss of a model that "
-             "knows only token frequencies)", is_rank0)
+        info(f"unigram entropy of the {what}: {baseline:.3f} nats (the loss of a model that knows only token "
+             "frequencies)", is_rank0)
     last_eval = None
     while step < hybrid.train.steps:
         watchdog.beat(f"step {step + 1}")
@@ -321,14 +337,15 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
                                  f"weights now hold NaN or inf); the last checkpoint is {saves.last_path() or 'none'}")
         if warning:
             info(warning, is_rank0)
-        eval_loss = None
+        eval_loss, per_dataset = None, None
         if evals.due(step):
             watchdog.beat(f"the evaluation at step {step}")
-            eval_loss = last_eval = evaluate(trainer, data, job, dp_rank)
+            eval_loss, per_dataset = evaluate(trainer, data, job, dp_rank)
+            last_eval = eval_loss
         should_log = step % hybrid.train.log_interval == 0 or step == hybrid.train.steps or eval_loss is not None
         # after a signal the console carries only the stop line: the launcher may have returned already
         logger.record(step, loss, lr, grad_norm, step_time, eval_loss, log=should_log or warning is not None,
-                      extra=extra, echo=stop.signal_name is None)
+                      extra=extra, echo=stop.signal_name is None, eval_losses=per_dataset)
         if saves.due(step):
             save(step)
         if stop.agreed():

@@ -47,9 +47,9 @@ class MetricsLogger:
 
     def record(self, step: int, loss: float, lr: float, grad_norm: Optional[float], step_time: float,
                eval_loss: Optional[float] = None, log: bool = True, extra: Optional[dict] = None,
-               echo: bool = True) -> dict:
+               echo: bool = True, eval_losses: Optional[dict] = None) -> dict:
         """`extra`: further fields of the record (a MoE model's `aux_loss`, `expert_load`, `expert_load_max`);
-        `echo`: print the logged record's console line too."""
+        `echo`: print the logged record's console line too; `eval_losses`: a blend's eval loss per dataset."""
         self.step_times.append(step_time)
         tokens_per_s = self.tokens_per_step / step_time if step_time > 0 else float("nan")
         tflops = self.flops_per_token * tokens_per_s / self.world_size / 1e12
@@ -69,6 +69,8 @@ class MetricsLogger:
         if eval_loss is not None:
             record["eval_loss"] = eval_loss
             record["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
+        if eval_losses:
+            record["eval_losses"] = dict(eval_losses)
         if self.enabled and log:
             self._write(record)
             if echo:
@@ -86,6 +88,8 @@ class MetricsLogger:
                        if k in record]
             if "eval_loss" in record:
                 events.append(("Eval/hybrid3d/loss", record["eval_loss"], samples))
+            events += [(f"Eval/hybrid3d/loss/{name}", loss, samples)
+                       for name, loss in record.get("eval_losses", {}).items()]
             self.monitor.write_events(events)
 
     def _line(self, r: dict) -> str:
@@ -105,7 +109,8 @@ class MetricsLogger:
         if "aux_loss" in r:
             parts.insert(2, f"aux {r['aux_loss']:.4f} (busiest expert {r['expert_load_max']:.2f}x even)")
         if "eval_loss" in r:
-            parts.insert(2, f"eval loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.1f})")
+            per_dataset = "".join(f", {name} {loss:.4f}" for name, loss in r.get("eval_losses", {}).items())
+            parts.insert(2, f"eval loss {r['eval_loss']:.4f} (ppl {r['eval_perplexity']:.1f}{per_dataset})")
         return " | ".join(parts)
 
 

@@ -172,7 +172,10 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
 
 
 def test_training_starts_from_hf_weights(tmp_path):
-    """`model.hf_model` + `init_from_hf`: the first step's loss is HF's loss on the same batch."""
+    """`model.hf_model` + `init_from_hf`: the first step's loss is HF's loss on the same batch; also for a blend
+    (`data.blend`) of a Megatron indexed dataset written by megatron-core and the same kind of rows, whose first batch
+    holds the samples megatron-core's blending order names, each dataset evaluated on its own held-out tail."""
+    import numpy as np
     import torch.nn.functional as F
     from transformers import AutoTokenizer, LlamaForCausalLM
 
@@ -180,6 +183,7 @@ def test_training_starts_from_hf_weights(tmp_path):
     from hybrid3d.data import build_training_data, micro_batches
     from hybrid3d.data.pipeline import TokenizerSource
     from hybrid3d.data.builtin import builtin_tokenizer_path
+    from tests.megatron_oracle import megatron_datasets
     from tests.tiny_llama import make_hf_llama
 
     tokenizer = AutoTokenizer.from_pretrained(builtin_tokenizer_path())
@@ -189,23 +193,37 @@ def test_training_starts_from_hf_weights(tmp_path):
     docs = tmp_path / "docs.jsonl"
     docs.write_text("".join(json.dumps({"text": f"Example {i}: " + "the quick brown fox " * (i % 5 + 3)}) + "\n"
                             for i in range(200)))
+    prefix = str(tmp_path / "megatron")
+    builder = megatron_datasets().indexed.IndexedDatasetBuilder(prefix + ".bin", dtype=np.uint16)
+    for i in range(150):
+        ids = tokenizer(f"Record {i} says " + "lorem ipsum " * (i % 4 + 2), add_special_tokens=False)["input_ids"]
+        builder.add_document(np.asarray(ids + [tokenizer.eos_token_id]), [len(ids) + 1])
+    builder.finalize(prefix + ".idx")
     config = demo_config(tmp_path, tensor_parallel_size=2, pipeline_parallel_size=1,
                          model={"hf_model": str(model_dir), "init_from_hf": True})
     raw = json.loads(config.read_text())
-    raw["hybrid3d"]["data"] = {"path": str(docs), "seq_length": 64}
-    raw["hybrid3d"]["train"].update(steps=1, eval_interval=0)
-    config.write_text(json.dumps(raw))
-    result = run_job(2, config)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    loss = read_metrics(tmp_path / "run")[0]["loss"]
-
     tokenizers = TokenizerSource(load=lambda: tokenizer, identity="t", config_eos_id=None)
-    data = build_training_data(DataSection(path=str(docs), seq_length=64), tokenizers, len(tokenizer))
-    ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))[:2]
     hf = LlamaForCausalLM.from_pretrained(model_dir).eval()
-    with torch.no_grad():
-        expected = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()
-    assert math.isclose(loss, expected, rel_tol=1e-5), (loss, expected)
+    blend = [{"path": prefix, "weight": 2}, {"path": str(docs), "weight": 1}]
+    for name, data_section in (("run", {"path": str(docs), "seq_length": 64}),
+                               ("blend", {"blend": blend, "seq_length": 64, "eval_fraction": 0.1})):
+        raw["hybrid3d"]["data"] = data_section
+        raw["hybrid3d"]["train"].update(steps=1, eval_interval=int(name == "blend"), output_dir=str(tmp_path / name))
+        config.write_text(json.dumps(raw))
+        result = run_job(2, config)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        metrics = read_metrics(tmp_path / name)
+
+        data = build_training_data(DataSection(**data_section), tokenizers, len(tokenizer))
+        ids, targets = next(micro_batches(data.train, 0, 16, 0, 1, 16))[:2]
+        with torch.no_grad():
+            expected = F.cross_entropy(hf(ids).logits.flatten(0, 1), targets.flatten()).item()
+        assert math.isclose(metrics[0]["loss"], expected, rel_tol=1e-5), (name, metrics[0]["loss"], expected)
+    assert "data: a blend of 2 datasets" in result.stdout and "  megatron: 135 documents, " in result.stdout
+    assert "; weight 0.667; " in result.stdout and "blend's training tokens" in result.stdout
+    assert sorted(metrics[0]["eval_losses"]) == ["docs", "megatron"]
+    losses = metrics[0]["eval_losses"]
+    assert math.isclose(metrics[0]["eval_loss"], (2 * losses["megatron"] + losses["docs"]) / 3, rel_tol=1e-9)
 
 
 def test_context_parallel_run_resumes_at_another_layout(tmp_path):
