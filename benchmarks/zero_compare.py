@@ -51,6 +51,10 @@ SIZES = {  # small Llamas that train in well under a second per step on 2 CPU co
 }
 LAYOUTS = {"DP4": (1, 1, 4), "TP2xDP2": (2, 1, 2), "PP2xDP2": (1, 2, 2), "TP2xPP2": (2, 2, 1), "TP4": (4, 1, 1),
            "PP4": (1, 4, 1), "DP2": (1, 1, 2), "DP8": (1, 1, 8), "TP2xPP2xDP2": (2, 2, 2)}
+# The full run's work per configuration, and --quick's: every row kept, each step an eighth of the tokens (the model
+# states and the DP traffic do not depend on them, the TP and pipeline messages scale with them), fewer timed steps.
+FULL = dict(seq_length=128, micro_batch=2, global_batch=8, steps=5, repeats=3)
+QUICK = dict(seq_length=32, micro_batch=1, global_batch=4, steps=2, repeats=2)
 # reduce_bucket_size (elements): ZeRO-1/2 keep one bucket alive, so it is part of the model states;
 # DeepSpeed's default (5e8, 1 GB in bf16) would dwarf these models.
 DEFAULT_BUCKET = 4_000_000
@@ -170,25 +174,29 @@ def plan_runs(args) -> list:
 
 def parse_args(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="the default CPU set, 2 repeats x 3 steps")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"every size, layout and ZeRO stage of the defaults with less work per step and fewer "
+                             f"steps ({', '.join(f'--{k.replace(chr(95), chr(45))} {v}' for k, v in QUICK.items())}): "
+                             f"a few minutes on 2 cores")
     parser.add_argument("--sizes", default="S,M")
     parser.add_argument("--layouts", default="DP4,TP2xDP2,PP2xDP2,TP2xPP2")
     parser.add_argument("--zero", type=int_list, default="0,1,2")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16+fp32acc", "fp32"))
     parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--seq-length", type=int, default=128)
-    parser.add_argument("--micro-batch", type=int, default=2)
-    parser.add_argument("--global-batch", type=int, default=8, help="sequences per step, equal for all layouts")
+    parser.add_argument("--seq-length", type=int, default=None)
+    parser.add_argument("--micro-batch", type=int, default=None)
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step, equal for all layouts")
     parser.add_argument("--reduce-bucket-size", type=int, default=DEFAULT_BUCKET,
                         help="zero_optimization.reduce_bucket_size in elements (part of the model states)")
-    parser.add_argument("--steps", type=int, default=5, help="timed steps per configuration and repeat")
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration and repeat")
+    parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     parser.add_argument("--verbose", action="store_true", help="DeepSpeed's own log lines and prints too")
     args = parser.parse_args(argv)
     require_matplotlib(parser)
-    if args.quick:
-        args.steps, args.repeats = 3, 2
+    for key, value in (QUICK if args.quick else FULL).items():
+        if getattr(args, key) is None:  # an option given explicitly wins over --quick's choice
+            setattr(args, key, value)
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.layouts = [s for s in args.layouts.split(",") if s]
     for name in args.sizes:

@@ -8,7 +8,8 @@ activations/gradients; pp_tied: the tied weights' gradient sum; control: scalar 
 """
 
 CALLER_CLASSES = {
-    "tp_all_reduce": "tp", "_gather_last_dim": "tp",
+    "tp_all_reduce": "tp", "start_tp_all_reduce": "tp", "_gather_last_dim": "tp", "all_gather_sequence": "tp",
+    "reduce_scatter_sequence": "tp",
     "allreduce_bucket": "dp", "allreduce_and_copy": "dp", "all_gather_into_tensor_dp_groups": "dp",
     "all_gather_dp_groups": "dp", "average_tensor": "dp", "reduce_scatter_coalesced": "dp",
     "send": "pp", "recv": "pp", "full": "pp_gather", "_exec_reduce_tied_grads": "pp_tied",

@@ -6,6 +6,7 @@ import dataclasses
 
 import pytest
 
+from hybrid3d.ds_internals.comms_callers import CALLER_CLASSES
 from hybrid3d.model import LlamaShape
 from hybrid3d.planning.activations import activation_bytes
 from hybrid3d.planning.traffic import (
@@ -32,7 +33,7 @@ RUNS = [dict(name="TP1-DP2", tp=1, cp=1, sp=False), dict(name="TP2", tp=2, cp=1,
         dict(name="TP2-chunked-loss", tp=2, cp=1, sp=False, chunk=48),
         dict(name="TP2+SP-chunked-loss", tp=2, cp=1, sp=True, chunk=48)]
 # callers (the functions that issue the collective) by parallelism
-TP_CALLERS = {"tp_all_reduce", "backward", "all_gather_sequence", "reduce_scatter_sequence"}
+TP_CALLERS = {caller for caller, kind in CALLER_CLASSES.items() if kind == "tp"}  # the benchmarks' classification
 CP_CALLERS = {"single_all_to_all", "sequence_mean"}
 DP_CALLERS = {"allreduce_bucket", "all_gather_into_tensor_dp_groups"}
 ACTIVATION_TOL = 64  # bytes: measured within 28 bytes of 0.4-0.8 MB (saved scalars the model leaves out)

@@ -22,12 +22,11 @@ sequence instead of all-reduced, again behind the weight-gradient GEMMs (Korthik
 Megatron-LM's `LinearWithGradAccumulationAndAsyncCommunication` with `sequence_parallel`).
 """
 
-import deepspeed.comm as dist
 import torch
 import torch.nn.functional as F
 
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
-from hybrid3d.parallel.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence, tp_all_reduce
+from hybrid3d.parallel.tensor_parallel.mappings import all_gather_sequence, reduce_scatter_sequence, start_tp_all_reduce
 
 
 class _ColumnParallelLinears(torch.autograd.Function):
@@ -57,10 +56,8 @@ class _ColumnParallelLinears(torch.autograd.Function):
                 grad_x = torch.zeros_like(full).view(-1, full.shape[-1])
             if tp.sequence_parallel:
                 reducing = reduce_scatter_sequence(grad_x.view(full.shape), tp, async_op=True)
-            elif tp.shm_all_reduce:
-                tp_all_reduce(grad_x, tp)  # microseconds through shared memory: nothing to hide behind the GEMMs
             else:
-                reducing = dist.all_reduce(grad_x, group=tp.group, async_op=True)
+                reducing = start_tp_all_reduce(grad_x, tp)
         x2d = full.reshape(-1, full.shape[-1])  # (b·s, in)
         # computed while the reduction is in flight
         # frozen weights (a LoRA base) get none
