@@ -31,10 +31,12 @@ CATEGORIES = ("params", "grads", "master", "optim_states", "other")
 
 # Attribute names of the wrappers, by category (see the module docstring).
 _WRAPPER_ATTRIBUTES = {
-    "params": ("bf16_groups_flat", "bit16_groups_flat"),
-    "master": ("fp32_groups_flat_partition", "single_partition_of_fp32_groups"),
+    "params": ("bf16_groups_flat", "bit16_groups_flat", "fp16_partitioned_groups_flat", "fp16_partitioned_groups",
+               "param_groups_fp16_flat_cpu_memory", "param_buffer_of_bit16_for_cpu_offload_groups"),
+    "master": ("fp32_groups_flat_partition", "single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"),
     "grads": ("fp32_groups_gradients_flat", "averaged_gradients", "all_grad_tensors", "grads_in_partition",
-              "ipg_buckets"),
+              "ipg_buckets", "grad_partitions_flat_buffer", "temp_grad_buffer_for_cpu_offload",
+              "temp_grad_buffer_for_gpu_offload", "accumulated_grads_in_cpu"),
 }
 _MAX_DEPTH = 5
 

@@ -210,7 +210,7 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
         grads = lp * psi + bucket
     elif precision == "bf16+fp32acc" and pipeline_zero2:
         deferred = set(deferred_indices(numels, deferred_fraction))
-        mine = _params_in_partition(numels, part, dp_rank)
+        mine = params_in_partition(numels, part, dp_rank)
         grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
         if tied_numel:  # the cross-stage sum, before the deferred gradients are released
             accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
@@ -248,7 +248,7 @@ def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucke
     return held + (whole if gas > 1 else 0)
 
 
-def _params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:
+def params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:
     """Indices of the parameters overlapping [dp_rank·P, (dp_rank+1)·P) (`is_param_in_current_partition`)."""
     start, end = partition * dp_rank, partition * (dp_rank + 1)
     offsets = [sum(numels[:i]) for i in range(len(numels))]

@@ -1,0 +1,122 @@
+"""Model states of ZeRO-3 and of optimizer/parameter offload, as DeepSpeed 0.19 allocates them, device and host
+bytes apart.
+
+ZeRO-3 (Rajbhandari et al. 2020, P_os+g+p; DeepSpeed's `DeepSpeedZeroOptimizer_Stage3`, runtime/zero/stage3.py and
+partition_parameters.py). Each of a rank's parameters (one TP shard, no pipeline) is padded to a multiple of Nd
+and split: its partition has ⌈n/Nd⌉ elements, and P = Σ⌈n_i/Nd⌉ is the rank's share. At the optimizer step, the
+peak of the model states, a rank holds (counted by `ds_internals.memory_probe` from the wrapper's own tensors,
+tests/distributed/test_zero3_build.py):
+
+| category     | tensors                                                          | bytes                 |
+|--------------|------------------------------------------------------------------|-----------------------|
+| params       | the flat buffer of the lp partitions (`fp16_partitioned_groups`)  | lp·P                  |
+|              | persistent parameters (n <= stage3_param_persistence_threshold,  | + lp·Σ n_persistent   |
+|              | default 1e5: norms, biases) kept whole beside their partition    |                       |
+| grads        | `grad_partitions_flat_buffer` (the gradient accumulation dtype)  | ga·P                  |
+|              | the reduce bucket (`ipg_buckets`, lp, reduce_bucket_size B)       | + lp·B                |
+|              | the fp32 gradient of the master partition (`.grad`)              | + 4·P                 |
+| master       | fp32 master partition (`fp32_partitioned_groups_flat`)            | 4·P                   |
+| optim_states | Adam's moments (+ torch Adam's 4-byte step tensor)               | 8·P (+ 4)             |
+
+lp = 2 in bf16, 4 in fp32 (the master is a copy in fp32 too, as measured); ga = 4 with
+`data_types.grad_accum_dtype: fp32`, else lp. DeepSpeed's default B is 5e8 elements: 1 GB in bf16, 2 GB in fp32,
+allocated at start-up whatever the model's size.
+
+Offload (ZeRO-Offload, Ren et al. 2021; ZeRO-Infinity, Rajbhandari et al. 2021): `offload_optimizer: cpu` moves the
+gradient partition buffer, the fp32 gradient, master and Adam moments to host memory (DeepSpeedCPUAdam, no step
+tensor); `offload_param: cpu` (ZeRO-3 only) moves the lp partitions too. What stays on the device: the reduce bucket,
+persistent parameters, and the parameters gathered for the layers being computed. With ZeRO-1/2 the optimizer's
+fp32 partition, its gradient and the moments go to the host the same way (`offload_states` below).
+
+Gathered ("live") parameters, device only, between the steps: the layer being computed, whole (its TP shard), and
+what the prefetcher fetched ahead, up to stage3_prefetch_bucket_size elements (default 5e7), capped by
+stage3_max_live_parameters (default 1e9): `live_parameter_bytes`, an estimate the probe does not measure (the
+gathered tensors are freed as soon as their module has run, so no snapshot sees the largest set).
+"""
+
+import math
+from dataclasses import dataclass
+
+from hybrid3d.planning.memory import ModelStates, RankModelStates, aligned_numel, compute_bytes, params_in_partition
+
+ZERO3 = "DeepSpeedZeroOptimizer_Stage3"
+DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (elements)
+DEFAULT_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size (elements)
+DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters (elements)
+OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")  # the planner's `offload` column
+
+
+@dataclass(frozen=True)
+class PlacedStates:
+    """A rank's model states at their peak, with the part held in host memory."""
+
+    states: RankModelStates  # device and host together, the probe's categories
+    host: ModelStates  # the offloaded part of `states.peak`
+
+    @property
+    def device_bytes(self) -> int:
+        return self.states.peak.total - self.host.total
+
+    @property
+    def host_bytes(self) -> int:
+        return self.host.total
+
+
+def zero3_partition_numel(numels: list[int], nd: int) -> int:
+    """P: the elements of a rank's partitions, each parameter padded to a multiple of nd (`_aligned_size`)."""
+    return sum(math.ceil(n / nd) for n in numels)
+
+
+def zero3_model_states(numels: list[int], nd: int, precision: str, reduce_bucket_size: int,
+                       persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD, offload: str = "none",
+                       torch_adam: bool = True) -> PlacedStates:
+    """ZeRO-3 model states of a rank holding parameters of sizes `numels` (its TP shard), partitioned over nd
+    ranks (the module table); `offload` one of OFFLOAD_CHOICES; `torch_adam`: torch's Adam keeps a step tensor
+    (DeepSpeedCPUAdam, which offload uses, does not)."""
+    lp = compute_bytes(precision)
+    ga = 4 if precision == "bf16+fp32acc" else lp
+    part = zero3_partition_numel(numels, nd)
+    persistent = sum(n for n in numels if n <= persistence_threshold)
+    adam = 8 * part + (4 if torch_adam and offload == "none" else 0)
+    # persistent parameters are whole between the steps; the step partitions them and gathers them after its update
+    boundary = ModelStates(params=lp * part + lp * persistent, grads=ga * part + lp * reduce_bucket_size + (4 * part if offload != "none"
+                                                                                       else 0),
+                           master=4 * part, optim_states=adam)
+    step = ModelStates(params=lp * part, grads=ga * part + lp * reduce_bucket_size + 4 * part, master=4 * part,
+                       optim_states=adam)
+    host = ModelStates(0, 0, 0, 0)
+    if offload != "none":
+        host = ModelStates(params=lp * part if offload == "optimizer+params" else 0, grads=ga * part + 4 * part,
+                           master=4 * part, optim_states=adam)
+    return PlacedStates(RankModelStates(boundary, step, ZERO3), host)
+
+
+def offload_states(states: RankModelStates, numels: list[int], nd: int, precision: str, dp_rank: int = 0,
+                   gas: int = 1) -> PlacedStates:
+    """ZeRO-1/2 `states` (`memory.model_states_from_numels`) with `offload_optimizer: cpu` (stage_1_and_2.py's
+    cpu_offload). In host memory: the fp32 partition of aligned(Ψ)/Nd elements, its fp32 gradient and Adam's moments
+    (DeepSpeedCPUAdam: no step tensor), an lp copy of the partition for the updated weights' way back, an lp staging
+    buffer of the largest parameter, and with gas > 1 an lp accumulator of every parameter overlapping the rank's
+    partition; on the device, besides the lp weights, their gradients and the reduce bucket, an lp staging buffer of
+    the largest parameter."""
+    lp = compute_bytes(precision)
+    part = aligned_numel(sum(numels), nd) // nd
+    largest = lp * max(numels)
+    accumulators = lp * sum(numels[i] for i in params_in_partition(numels, part, dp_rank)) if gas > 1 else 0
+    host = ModelStates(params=lp * part, grads=4 * part + largest + accumulators, master=4 * part,
+                       optim_states=8 * part)
+
+    def offloaded(s: ModelStates) -> ModelStates:
+        return ModelStates(s.params + lp * part, s.grads + 2 * largest + accumulators, s.master, 8 * part)
+
+    placed = RankModelStates(offloaded(states.boundary), offloaded(states.step), states.wrapper)
+    return PlacedStates(placed, host)
+
+
+def live_parameter_bytes(layer_numels: list[int], precision: str, prefetch_bucket: int = DEFAULT_PREFETCH_BUCKET,
+                         max_live: int = DEFAULT_MAX_LIVE_PARAMETERS) -> int:
+    """Device bytes of the parameters ZeRO-3 holds gathered while a layer runs (estimate, module docstring): the
+    largest layer whole (`layer_numels`: each layer's elements on this TP rank) and up to `prefetch_bucket` elements
+    of the next, at most `max_live` elements."""
+    largest = max(layer_numels)
+    return compute_bytes(precision) * min(max_live, largest + min(prefetch_bucket, largest))
