@@ -8,9 +8,9 @@ import re
 # DeepSpeed refuses fp32 gradient accumulation without ZeRO (bf16 + ZeRO-0 + grad_accum_dtype fp32), so the
 # planner's ZeRO-0 rows accumulate in bf16 and its ZeRO-1/2 rows in fp32 (planner.planned_precision).
 ZERO_FOOTER = ("zero: ZeRO-0 rows accumulate gradients in bf16 (DeepSpeed has no fp32 accumulation without ZeRO);\n"
-               "ZeRO-1/2 rows in fp32 (data_types.grad_accum_dtype fp32: BF16_Optimizer's full fp32 gradient "
+               "ZeRO-1/2/3 rows in fp32 (data_types.grad_accum_dtype fp32: BF16_Optimizer's full fp32 gradient "
                "buffer,\n4 bytes per parameter instead of 2), so at a small DP size a ZeRO-1 row can need more "
-               "memory than ZeRO-0")
+               "memory than ZeRO-0;\nrows with offload in bf16 (DeepSpeed's offload path accumulates on the host)")
 
 _GB_TEXT = re.compile(r"\s*([0-9]*\.?[0-9]+)\s*(gb|g|gib)?\s*", re.IGNORECASE)
 
@@ -53,8 +53,6 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
                      f"{least.activations_gb / least.memory_gb:.0%} of it")
     lines.append("  - activation checkpointing and micro-batch 1 are already among the options tried (a smaller "
                  "--global-batch saves nothing more)")
-    lines.append("  - ZeRO-3 (parameters partitioned too, without a pipeline) or offloading the fp32 master weights "
-                 "and Adam states (12 of the bytes per parameter) to CPU memory with DeepSpeed's "
-                 "zero_optimization.offload_optimizer: both run in hybrid3d (docs/configuration.md#zero-3-and-offload) "
-                 "but are not yet among the rows modelled here")
+    lines.append("  - ZeRO-3 and offload to host memory are among the options tried; NVMe offload (ZeRO-Infinity's "
+                 "offload_param/offload_optimizer device nvme) is not modelled here")
     return lines

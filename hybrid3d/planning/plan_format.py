@@ -6,6 +6,11 @@ SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved
                    "dpv 'dualpipev'; - no pipeline")
 COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ranks; p2p ring attention over them;\n"
                "a2aU+p2p Ulysses over U of them (context_parallel_a2a_size) around a ring over cp/U; - no CP")
+OFFLOAD_LABELS = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+par"}
+OFFLOAD_FOOTER = ("offload: opt zero_optimization.offload_optimizer cpu (fp32 master, its gradient and Adam's moments "
+                  "in host memory,\nstepped by DeepSpeedCPUAdam); opt+par also offload_param cpu (ZeRO-3's weight "
+                  "partitions); host GB: host memory\nper GPU; states: device bytes, ZeRO-3's gathered layers "
+                  "included (docs/configuration.md#zero-3-and-offload)")
 # parallel/attention_blocks.block_kernel: a ring's masked blocks on GPUs are explicit fp32 tiles, not a fused kernel
 RING_NOTE = ("note: on GPUs ring attention (p2p, a2aU+p2p) runs its masked blocks (documents, sliding windows) as "
              "explicit fp32 tiles (parallel/attention_blocks.py): ring rows' step times assume a fused kernel's speed")
@@ -19,21 +24,22 @@ def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] =
     lines = []
     if feasible:
         best = feasible[0].step_seconds
-        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'ckpt':>4} {'mb':>3} {'gas':>4} "
-                     f"{'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'bubble':>6} {'pp comm':>7} "
-                     f"{'rel.time':>8}")
+        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'offload':>7} {'ckpt':>4} "
+                     f"{'mb':>3} {'gas':>4} {'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'host GB':>7} "
+                     f"{'bubble':>6} {'pp comm':>7} {'rel.time':>8}")
         for c in feasible[:top]:
             lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
-                         f"{'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} {c.gas:>4} "
-                         f"{c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
-                         f"{c.activations_gb:>6.1f} {c.bubble:>6.1%} {c.pipe_seconds / c.step_seconds:>7.1%} "
-                         f"{c.step_seconds / best:>8.2f}")
+                         f"{OFFLOAD_LABELS[c.offload]:>7} {'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} "
+                         f"{c.gas:>4} {c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
+                         f"{c.activations_gb:>6.1f} {c.host_gb:>7.1f} {c.bubble:>6.1%} "
+                         f"{c.pipe_seconds / c.step_seconds:>7.1%} {c.step_seconds / best:>8.2f}")
         if len(feasible) > top:
             lines.append(f"... {len(feasible) - top} more feasible layouts (--top)")
         lines.append("rel.time: step-time estimate / the first row's: compute, the schedule's bubble, TP, CP, DP")
         lines.append("and pipeline traffic (send/recv and its TP all-gathers), the optimizer step's memory traffic,")
         lines.append("not overlapped; pp comm: pipeline traffic's share; bubble: the schedule's idle share of the step")
         lines.append(SCHEDULE_FOOTER)
+        lines.append(OFFLOAD_FOOTER)
     else:
         lines.append("no layout fits")
         lines += hints

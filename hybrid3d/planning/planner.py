@@ -71,6 +71,7 @@ from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner'
 )
 from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora  # noqa: F401
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
+from hybrid3d.planning.offload_plan import NO_OFFLOAD, offload_options, worst_rank_placed, zero3_allowed
 from hybrid3d.planning.plan_format import format_longest, format_plan  # noqa: F401 (the command line prints them)
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
@@ -98,10 +99,12 @@ class Choice:
     virtual: int = 1  # hybrid3d.virtual_pipeline_size: v chunks per rank when interleaved
     comm: str = "a2a"  # hybrid3d.context_parallel_comm: "a2a" Ulysses, "p2p" ring attention, "a2a+p2p" both
     cp_a2a: int = 1  # hybrid3d.context_parallel_a2a_size: the Ulysses ranks inside each ring member with "a2a+p2p"
+    offload: str = NO_OFFLOAD  # zero3_memory.OFFLOAD_CHOICES: what DeepSpeed keeps in host memory
+    host_gb: float = 0.0  # host memory per GPU for the offloaded states
 
     @property
     def precision(self) -> str:
-        return planned_precision(self.zero)
+        return planned_precision(self.zero, self.offload)
 
     @property
     def ring(self) -> bool:
@@ -116,16 +119,23 @@ class Choice:
         return "-" if self.pp == 1 else SCHEDULE_LABELS[self.schedule].format(v=self.virtual)
 
 
-def planned_precision(zero: int) -> str:
-    return "bf16" if zero == 0 else "bf16+fp32acc"
+def planned_precision(zero: int, offload: str = NO_OFFLOAD) -> str:
+    """bf16 gradient accumulation at ZeRO-0 and with offload (offload_plan's docstring), else fp32."""
+    return "bf16" if zero == 0 or offload != NO_OFFLOAD else "bf16+fp32acc"
 
 
 def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
                 seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b", v: int = 1,
-                comm: str = "a2a", cp_a2a: int = 1) -> tuple[float, float]:
-    """`worst_rank_bytes` of the planned precision, ZeRO over the d·c ranks, ZeRO-2 with p > 1 pipeline_zero2."""
-    return worst_rank_bytes(shape, tp, pp, dp * cp, zero, planned_precision(zero), checkpointing, micro_batch, seq,
-                            gas, bucket, sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a)
+                comm: str = "a2a", cp_a2a: int = 1, offload: str = NO_OFFLOAD) -> tuple[float, float, float]:
+    """(device model states, activations, host bytes) of the worst rank at the planned precision, ZeRO over the d·c
+    ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2), or for ZeRO-3 and offload
+    `offload_plan.worst_rank_placed`."""
+    precision = planned_precision(zero, offload)
+    if zero == 3 or offload != NO_OFFLOAD:
+        return worst_rank_placed(shape, tp, pp, dp * cp, zero, precision, offload, checkpointing, micro_batch, seq,
+                                 gas, bucket, sp, cp, schedule, v, comm, cp_a2a)
+    return (*worst_rank_bytes(shape, tp, pp, dp * cp, zero, precision, checkpointing, micro_batch, seq, gas, bucket,
+                              sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a), 0.0)
 
 
 def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bool = True) -> list[tuple[str, int]]:
@@ -141,24 +151,34 @@ def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bo
 
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
-             schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1) -> Choice:
+             schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
+             offload: str = NO_OFFLOAD) -> Choice:
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
-    precision = planned_precision(zero)
-    states, acts = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
-                               schedule, virtual, comm, cp_a2a)
+    precision = planned_precision(zero, offload)
+    states, acts, host = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
+                                     schedule, virtual, comm, cp_a2a, offload)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
                               sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
-                              cp_a2a=cp_a2a)
+                              cp_a2a=cp_a2a, offload=offload)
     memory = states + acts + cluster.reserve_gb * GB
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
                   step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual,
-                  comm, cp_a2a)
+                  comm, cp_a2a, offload, host / GB)
 
 
-def _zero_stages(pp: int, dp: int, lora: bool = False) -> tuple:
-    # ZeRO-2 with pp > 1: pipeline_zero2, which LoRA does not run with (config.support.check_lora)
-    return (0, 1, 2) if pp == 1 or (dp > 1 and not lora) else (0, 1)
+def _zero_stages(shape: LlamaShape, pp: int, dp: int) -> tuple:
+    # ZeRO-2 with pp > 1: pipeline_zero2, which LoRA does not run with (config.support.check_lora); ZeRO-3: no
+    # pipeline (offload_plan.zero3_allowed)
+    stages = (0, 1, 2) if pp == 1 or (dp > 1 and not shape.lora_rank) else (0, 1)
+    return stages + ((3,) if zero3_allowed(shape, pp) else ())
+
+
+def host_fits(choice: Choice, cluster: Cluster) -> bool:
+    """The offloaded states of a node's GPUs fit its host memory (`Cluster.host_memory_gb`; None: not checked)."""
+    if cluster.host_memory_gb is None:
+        return True
+    return choice.host_gb * min(cluster.gpus, cluster.gpus_per_node) <= cluster.host_memory_gb
 
 
 def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
@@ -183,13 +203,15 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             refused.append(f"{name}: {reason}")
             continue
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
-        for zero in _zero_stages(pp, dp * cp, shape.lora_rank > 0):
-            options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched)
+        for zero in _zero_stages(shape, pp, dp * cp):
+            options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
+                                offload=offload)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
-                       for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)]
-            fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb]
-            for schedule in dict.fromkeys(c.schedule for c in fits):  # the fastest row of each schedule
-                feasible.append(min((c for c in fits if c.schedule == schedule),
+                       for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
+                       for offload in offload_options(shape, pp, zero)]
+            fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb and host_fits(c, cluster)]
+            for kind in dict.fromkeys((c.schedule, c.offload) for c in fits):  # the fastest row of each
+                feasible.append(min((c for c in fits if (c.schedule, c.offload) == kind),
                                     key=lambda c: (c.step_seconds, c.checkpointing, c.sp, -c.micro_batch)))
             if not fits:
                 smallest = min(options, key=lambda c: c.memory_gb)
@@ -217,12 +239,13 @@ def _longest_rows(shape: LlamaShape, cluster: Cluster, layout: Candidate, global
     tp, pp, cp, dp, comm, a2a = layout[:6]
     gas, rows, least = global_batch // dp, [], None  # least: the option needing the least memory
     for sp, zero, ckpt, sched in [(sp, z, ck, sched) for sp in ((False, True) if tp > 1 else (False,))
-                                  for z in _zero_stages(pp, dp * cp, shape.lora_rank > 0) for ck in (False, True)
+                                  for z in _zero_stages(shape, pp, dp * cp) for ck in (False, True)
                                   for sched in schedule_options(shape, pp, gas, z, schedules)]:
         unit = sequence_unit(tp, cp, sp, uses_ring(cp, comm))
 
         def fits(seq: int) -> bool:
-            memory = sum(_worst_rank(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp, *sched, comm, a2a))
+            memory = sum(_worst_rank(shape, tp, pp, dp, zero, ckpt, 1, seq, gas, bucket, sp, cp, *sched, comm,
+                                     a2a)[:2])
             return (memory + cluster.reserve_gb * GB) / GB <= cluster.gpu_memory_gb
 
         def choice(seq: int) -> Choice:
@@ -306,6 +329,11 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=_positive(float), default=None,
                         help="peak bf16 TFLOP/s per GPU (default: H100's 989.4)")
     parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
+    parser.add_argument("--host-memory", type=parse_gigabytes, default=None,
+                        help="GB of host memory per node for offloaded states (default: not checked)")
+    parser.add_argument("--host-adam-rate", type=_positive(float), default=Cluster.host_adam_gelems,
+                        help="billion parameters/s DeepSpeedCPUAdam steps per GPU (default "
+                             f"{Cluster.host_adam_gelems:g}: 2 cores of the CPU test machine)")
     parser.add_argument("--top", type=_positive(int), default=15)
     parser.add_argument("--longest-sequence", action="store_true",
                         help="per layout (micro-batch 1), the longest sequence that fits --gpu-memory; context "
@@ -333,7 +361,8 @@ def main(argv=None) -> int:
         parser.error(f"--seq-length {seq} exceeds the model's max_position_embeddings "
                      f"({shape.max_position_embeddings})")
     cluster = Cluster(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
-                      reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops))
+                      reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops),
+                      host_memory_gb=args.host_memory, host_adam_gelems=args.host_adam_rate)
     lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
     if args.longest_sequence:
         cap = args.max_seq_length or shape.max_position_embeddings

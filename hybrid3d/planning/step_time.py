@@ -26,6 +26,13 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     optimizer = the parameters a rank steps (its stages' Ψ, / d·c when ZeRO shards the master) · the bytes Adam
                reads and writes per parameter (`OPTIMIZER_BYTES`) / memory bandwidth: the step is memory-bound
                (a handful of FLOPs per 28-36 bytes moved): about 1% of a 7B step on H100s, several percent on CPUs.
+    ZeRO-3 (p = 1): dp comm = m · 3 · lp·Ψ · (n-1)/n / bandwidth instead: each micro-batch all-gathers the weights
+               for its forward and again for its backward and reduce-scatters the gradients (Rajbhandari et al.
+               2020, §7.2.1: 1.5x ZeRO-1/2's volume), counted as not overlapped, though DeepSpeed prefetches.
+    offload  = with offload_optimizer the step runs on the host: its partition (Ψ/n elements) / the host's Adam
+               rate (`Cluster.host_adam_gelems`) + the partition's lp gradients down and lp weights up the host
+               link (2·lp·Ψ/n / `Cluster.pcie_gbps`); with offload_param each micro-batch's forward and backward
+               also fetch the lp partition from the host (+ 2m·lp·Ψ/n) (Ren et al. 2021, ZeRO-Offload).
 TP, CP and DP bytes are those of the busiest pipeline rank, summed over its stages (one with 1F1B; v with
 the interleaved schedule; DualPipeV's rank 0 adds the head's collectives to the embedding's). DP sums the
 stages' Ψ, so a tied embedding DualPipeV's rank 0 holds once is counted twice (an over-estimate).
@@ -55,6 +62,7 @@ The absolute numbers are rough; the ranking is what the estimate is for.
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import Optional
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
@@ -86,6 +94,11 @@ class Cluster:
     inter_node_gbps: float = 25.0  # GB/s per GPU across nodes
     memory_gbps: float = 3350.0  # GB/s of device memory: the H100 SXM's HBM3 datasheet figure, as peak_tflops is
     latency_us: float = 0.0  # µs of one TP collective beyond its bytes / bandwidth (module docstring)
+    pcie_gbps: float = 64.0  # GB/s per direction of a GPU's host link: PCIe 5.0 x16's datasheet figure (H100 SXM)
+    # G elements/s of DeepSpeedCPUAdam per GPU: measured with 2 threads on a 2-core AMD EPYC VM (AVX2), 2026-12-05
+    # (0.45 with one thread); a host with more cores per GPU steps faster (--host-adam-rate)
+    host_adam_gelems: float = 0.76
+    host_memory_gb: Optional[float] = None  # GB of host memory per node for offloaded states (None: not checked)
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -201,20 +214,27 @@ OPTIMIZER_BYTES = {"fp32": 28, "bf16": 36, "bf16+fp32acc": 36}
 
 
 def optimizer_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero_group: int, zero: int,
-                      precision: str, schedule: str = "1f1b", virtual: int = 1) -> float:
+                      precision: str, schedule: str = "1f1b", virtual: int = 1, offload: str = "none",
+                      gas: int = 1) -> float:
     """The busiest rank's optimizer step: its stages' parameters (1/zero_group of them where the wrapper shards
-    the master, `memory.optimizer_wrapper`) · OPTIMIZER_BYTES / memory bandwidth."""
-    sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
+    the master, `memory.optimizer_wrapper`; ZeRO-3 does) · OPTIMIZER_BYTES / memory bandwidth, or with `offload`
+    on the host, with the transfers over the host link (module docstring)."""
+    sharded = zero == 3 or optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
     share = zero_group if sharded else 1
     numel = _worst_rank(lambda S, st: sum(stage_parameter_numels(shape, tp, S, st)) / share, schedule, pp, virtual)
-    return numel * OPTIMIZER_BYTES[precision] / (cluster.memory_gbps * GB)
+    if offload == "none":
+        return numel * OPTIMIZER_BYTES[precision] / (cluster.memory_gbps * GB)
+    lp = 4 if precision == "fp32" else 2
+    transfers = 2 * lp * numel * (1 + (gas if offload == "optimizer+params" else 0))
+    return numel / (cluster.host_adam_gelems * 1e9) + transfers / (cluster.pcie_gbps * GB)
 
 
 def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, zero: int,
                        micro_batch: int, gas: int, seq: int, precision: str = "bf16+fp32acc",
                        checkpointing: bool = False, pipe_partitioned: bool = True,
                        grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1,
-                       schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1) -> StepTime:
+                       schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
+                       offload: str = "none") -> StepTime:
     """Estimated seconds of one training step (the planner's model, module docstring) of `shape` on
     `cluster` (peak, efficiency, intra/inter-node bandwidth, GPUs per node) with layout tp x pp x dp x cp,
     ZeRO stage `zero`, `micro_batch` sequences of `seq` tokens per micro-batch, `gas` micro-batches per
@@ -224,7 +244,8 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     when tp > 1 and are off with SP and with the interleaved and DualPipeV schedules), Megatron
     `sequence_parallel`, context parallelism `cp` by `comm` (context_parallel_comm: "a2a" Ulysses, "p2p" ring
     attention, "a2a+p2p" Ulysses over `cp_a2a` ranks around a ring) and the pipeline `schedule` ("1f1b",
-    "interleaved" with `virtual` = v chunks per rank, "dualpipev").
+    "interleaved" with `virtual` = v chunks per rank, "dualpipev"); ZeRO-3 (`zero` 3, p = 1) and `offload` (one of
+    "none", "optimizer", "optimizer+params") as the module docstring says.
     `.seconds` is the total; it is meant for comparing with measured step times."""
     act_bytes = 4 if precision == "fp32" else 2
     sp, v = sequence_parallel, virtual
@@ -248,10 +269,14 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
                                cp_a2a, schedule, v)
     zero_group = dp * cp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
-    dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
-                            schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+    if zero == 3:
+        weights = sum(stage_parameter_numels(shape, tp, 1, 0)) * act_bytes  # lp·Ψ of the rank's TP shard
+        dp_seconds = gas * 3 * weights * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+    else:
+        dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
+                                schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
     bubble = compute * (pipeline_slots(schedule, pp, gas, v) - gas) / gas
-    optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v)
+    optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v, offload, gas)
     return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer)

@@ -51,11 +51,12 @@ class PlacedStates:
     """A rank's model states at their peak, with the part held in host memory."""
 
     states: RankModelStates  # device and host together, the probe's categories
-    host: ModelStates  # the offloaded part of `states.peak`
+    host: ModelStates  # the offloaded part, the same at both moments
 
     @property
     def device_bytes(self) -> int:
-        return self.states.peak.total - self.host.total
+        """The larger of the two moments on the device (the host buffers are allocated at both)."""
+        return max(self.states.boundary.total, self.states.step.total) - self.host.total
 
     @property
     def host_bytes(self) -> int:
@@ -106,10 +107,11 @@ def offload_states(states: RankModelStates, numels: list[int], nd: int, precisio
     host = ModelStates(params=lp * part, grads=4 * part + largest + accumulators, master=4 * part,
                        optim_states=8 * part)
 
-    def offloaded(s: ModelStates) -> ModelStates:
-        return ModelStates(s.params + lp * part, s.grads + 2 * largest + accumulators, s.master, 8 * part)
+    def offloaded(s: ModelStates, fp32_grad: int) -> ModelStates:
+        return ModelStates(s.params + lp * part, s.grads + fp32_grad + 2 * largest + accumulators, s.master, 8 * part)
 
-    placed = RankModelStates(offloaded(states.boundary), offloaded(states.step), states.wrapper)
+    # the fp32 gradient partition is a host buffer from the start (the step's states already count it)
+    placed = RankModelStates(offloaded(states.boundary, 4 * part), offloaded(states.step, 0), states.wrapper)
     return PlacedStates(placed, host)
 
 

@@ -37,10 +37,36 @@ def test_llama3_8b_on_8x80(llama3_8b):
     # Plain DP keeps 20 bytes per parameter (bf16 params and grads, fp32 master and grads, Adam): 160.6 GB.
     zero0 = next(r for r in refused if r.startswith("TP1 PP1 DP8 ZeRO-0"))
     assert f"{20 * PSI_8B / 1e9:.1f} model states" in zero0
-    # ZeRO-1 (BF16_Optimizer): 2 + 2 + 4 bytes replicated + 12/8 sharded = 9.5 bytes per parameter.
-    zero1 = next(r for r in refused if r.startswith("TP1 PP1 DP8 ZeRO-1"))
-    assert f"{9.5 * PSI_8B / 1e9:.1f} model states" in zero1
-    assert not any(c.tp == 1 and c.pp == 1 and c.zero in (0, 1) for c in feasible)
+    # ZeRO-1 (BF16_Optimizer): 2 + 2 + 4 bytes replicated + 12/8 sharded = 9.5 bytes per parameter; it fits only
+    # with the optimizer offloaded
+    zero1 = evaluate(llama3_8b, Cluster(gpus=8, gpu_memory_gb=80), 1, 1, 1, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET)
+    assert round(zero1.states_gb, 1) == round(9.5 * PSI_8B / 1e9, 1)
+    assert zero1.memory_gb > 80
+    assert not any(c.tp == 1 and c.pp == 1 and c.zero in (0, 1) and c.offload == "none" for c in feasible)
+
+
+def test_zero3_and_offload_rows(llama3_8b):
+    """ZeRO-3 and offload rows (planning/offload_plan.py): Llama 3 8B fits one 80 GB GPU only with its optimizer in
+    host memory; ZeRO-3 at DP1 with the optimizer offloaded keeps 2 bytes per parameter and the gathered layers on
+    the device, 18 on the host (bf16 gradient partition, fp32 gradient, master, Adam's moments); a host limit
+    removes what does not fit it; ZeRO-3 only without a pipeline; the offloaded step is slower."""
+    one = Cluster(gpus=1, gpu_memory_gb=80)
+    feasible, refused = plan(llama3_8b, one, seq=4096, global_batch=8)
+    assert feasible and all(c.offload != "none" and c.memory_gb <= 80 for c in feasible)
+    assert {c.zero for c in feasible} >= {1, 3}
+    zero3 = next(c for c in feasible if c.zero == 3 and c.offload == "optimizer")
+    assert zero3.host_gb == pytest.approx(18 * PSI_8B / 1e9)
+    largest_layer = 128_256 * 4096  # the embedding (and the head), gathered whole, plus the 5e7-element prefetch
+    norms = (2 * 32 + 1) * 4096  # persistent (below 1e5 elements): whole between the steps
+    assert zero3.states_gb == pytest.approx((2 * PSI_8B + 2 * DEFAULT_REDUCE_BUCKET + 2 * (largest_layer + 5e7)
+                                             + 2 * norms) / 1e9)
+    assert plan(llama3_8b, Cluster(gpus=1, gpu_memory_gb=80, host_memory_gb=100), 4096, 8)[0] == []
+    eight = Cluster(gpus=8, gpu_memory_gb=80)
+    rows, _ = plan(llama3_8b, eight, seq=4096, global_batch=512, sequence_parallel=True, schedules=True)
+    assert any(c.zero == 3 for c in rows) and all(c.pp == 1 for c in rows if c.zero == 3)
+    on_device = evaluate(llama3_8b, eight, 2, 1, 1, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET)
+    on_host = evaluate(llama3_8b, eight, 2, 1, 1, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET, offload="optimizer")
+    assert on_host.step_seconds > on_device.step_seconds and on_host.states_gb < on_device.states_gb
 
 
 def test_refusals_name_the_reason(llama3_8b):
@@ -49,7 +75,9 @@ def test_refusals_name_the_reason(llama3_8b):
     assert not any(c.tp > 8 for c in feasible)
     assert any("num_key_value_heads" in r or "num_attention_heads" in r
                for r in plan(llama3_8b, Cluster(gpus=64, gpu_memory_gb=80, gpus_per_node=64), 4096, 512)[1])
-    nothing, refused_small = plan(llama3_8b, Cluster(gpus=2, gpu_memory_gb=16), seq=4096, global_batch=64)
+    # offloaded to a 64 GB host, 8B still needs more than 2 x 16 GB (ZeRO-3 with both offloads: 80 GB of host per GPU)
+    nothing, refused_small = plan(llama3_8b, Cluster(gpus=2, gpu_memory_gb=16, host_memory_gb=64), seq=4096,
+                                  global_batch=64)
     assert nothing == [] and refused_small
 
 
@@ -139,11 +167,11 @@ def test_planner_with_sp_and_cp(llama3_8b):
     keeps 1/8 of the activations, so it fits."""
     cluster = Cluster(gpus=8, gpu_memory_gb=80)
     feasible, _ = plan(llama3_8b, cluster, 4096, 512, sequence_parallel=True, context_parallel=True)
-    cp8 = next(c for c in feasible if (c.tp, c.pp, c.cp, c.dp, c.zero) == (1, 1, 8, 1, 1))
+    cp8 = next(c for c in feasible if (c.tp, c.pp, c.cp, c.dp, c.zero, c.offload) == (1, 1, 8, 1, 1, "none"))
     assert cp8.states_gb == pytest.approx(9.5 * PSI_8B / 1e9, rel=1e-3)
     for c in feasible:
         step = estimate_step_time(llama3_8b, cluster, c.tp, c.pp, c.dp, c.zero, c.micro_batch, c.gas, 4096,
-                                  c.precision, c.checkpointing, sequence_parallel=c.sp, cp=c.cp)
+                                  c.precision, c.checkpointing, sequence_parallel=c.sp, cp=c.cp, offload=c.offload)
         assert c.step_seconds == step.seconds and c.dp * c.micro_batch * c.gas == 512
     # Ulysses time by hand (t 1, c 2, b 1, s 4096, m 1): per block q and output 2048·32·128 elements, k and v
     # 2048·8·128; 4 all-to-alls x 2 bytes forward, the same backward, 32 blocks; (c-1)/c of it at 200 GB/s.
@@ -206,18 +234,20 @@ def test_gpu_memory_accepts_units_and_says_what_it_wants():
 
 
 def test_no_layout_fits_says_what_would(capsys):
-    assert main(["--model", "llama3.2-1b", "--gpus", "1", "--gpu-memory", "24GB"]) == 0
+    # with no more than 16 GB of host memory: offloading the optimizer (9 GB per GPU at ZeRO-1) is not enough either
+    assert main(["--model", "llama3.2-1b", "--gpus", "1", "--gpu-memory", "24GB", "--host-memory", "16"]) == 0
     out = capsys.readouterr().out
     assert "no layout fits" in out and "the least memory any option needs" in out
-    assert "try --gpus 2" in out and "offload_optimizer" in out and "micro-batch 1 are already" in out
+    assert "try --gpus 2" in out and "offload" in out and "micro-batch 1 are already" in out
     assert "ZeRO-0 rows accumulate gradients in bf16" in out  # why a ZeRO-1 row can need more than ZeRO-0
 
 
 def test_lora_rank_makes_llama3_8b_fit_one_gpu(capsys, llama3_8b):
-    """Full fine-tuning of Llama 3 8B needs >= 16 bytes per parameter: no layout fits one 80 GB GPU. With LoRA rank 16
+    """Full fine-tuning of Llama 3 8B needs >= 16 bytes per parameter: no layout fits one 80 GB GPU without the
+    optimizer in host memory (here a 128 GB host, less than its 144 GB of offloaded states). With LoRA rank 16
     on all 7 projections the 8.03B base is frozen in bf16 (16.06 GB) and only the 41.94M adapters carry gradients,
     fp32 masters and Adam states (20 bytes each with ZeRO-0/1 on one GPU: 0.84 GB), so it fits."""
-    argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu-memory", "80"]
+    argv = ["--model", "llama3-8b", "--gpus", "1", "--gpu-memory", "80", "--host-memory", "128"]
     assert main(argv) == 0
     assert "no layout fits" in capsys.readouterr().out
     assert main(argv + ["--lora-rank", "16"]) == 0

@@ -82,7 +82,7 @@ def test_planner_ranks_by_the_same_estimate(llama2_7b):
     feasible, _ = plan(llama2_7b, cluster, seq=4096, global_batch=512)
     for c in feasible:
         step = estimate_step_time(llama2_7b, cluster, c.tp, c.pp, c.dp, c.zero, c.micro_batch, c.gas, 4096,
-                                  c.precision, c.checkpointing)
+                                  c.precision, c.checkpointing, offload=c.offload)
         assert (c.step_seconds, c.pipe_seconds) == (step.seconds, step.pipe)
         assert (c.pipe_seconds > 0) == (c.pp > 1)
 
