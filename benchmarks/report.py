@@ -7,8 +7,9 @@ import os
 from common import TRAFFIC_CLASSES, environment_markdown, median
 
 from hybrid3d.model import LlamaShape
-from hybrid3d.planning.memory import rank_model_states
+from hybrid3d.planning.memory import layer_parameter_numels, rank_model_states, rank_parameter_numels
 from hybrid3d.planning.traffic import dp_bytes_per_step, pp_bytes_per_step, tp_bytes_per_step
+from hybrid3d.planning.zero3_memory import offload_states, zero3_model_states
 
 CATEGORIES = ("params", "grads", "master", "optim_states")
 STATE_TARGET, COMM_TARGET = 0.02, 0.05
@@ -43,6 +44,22 @@ def rel_error(predicted, measured):
     return (predicted - measured) / measured
 
 
+def predicted_states(shape, run: dict, stage: int, dp_rank: int, gas: int):
+    """The memory model's RankModelStates of a rank: `memory.rank_model_states`, or for ZeRO-3 and offload
+    `zero3_memory` (device and host together, as the probe counts them)."""
+    tp, pp, dp, zero, precision = run["tp"], run["pp"], run["dp"], run["zero"], run["precision"]
+    offload = run.get("offload", "none")
+    if zero == 3:
+        embedding = sum(layer_parameter_numels(shape, tp)[0][1])  # gathered when the reduction starts
+        return zero3_model_states(rank_parameter_numels(shape, tp, pp, stage), dp, precision, run["bucket"],
+                                  offload=offload, gathered_numel=embedding).states
+    states = rank_model_states(shape, tp, pp, dp, zero, precision, stage, dp_rank, gas, run["bucket"],
+                               pipeline_zero2=zero == 2 and pp > 1)
+    if offload == "none":
+        return states
+    return offload_states(states, rank_parameter_numels(shape, tp, pp, stage), dp, zero, precision, dp_rank, gas).states
+
+
 def build_rows(runs, results, sizes) -> list:
     rows = []
     for run in runs:
@@ -55,8 +72,7 @@ def build_rows(runs, results, sizes) -> list:
         for rank, per_rank in enumerate(results):
             r = per_rank[run["name"]]
             stage = r["stage"]
-            predicted = rank_model_states(shape, tp, pp, dp, zero, precision, stage, r["dp_rank"], gas, run["bucket"],
-                                          pipeline_zero2=zero == 2 and pp > 1)
+            predicted = predicted_states(shape, run, stage, r["dp_rank"], gas)
             measured_total = sum(r["states"][k] for k in CATEGORIES)
             row = dict(config=run["name"], size=run["size"], layout=run["layout"], tp=tp, pp=pp, dp=dp, zero=zero,
                        precision=precision, gas=gas, rank=rank, stage=stage, tp_rank=r["tp_rank"],
@@ -72,14 +88,15 @@ def build_rows(runs, results, sizes) -> list:
                        rss_base_mb=r["rss_base"] / 2**20, rss_peak_mb=r["rss_peak"] / 2**20)
             theory = {
                 "tp": tp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
-                "dp": dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, precision),
+                # ZeRO-3's parameter all-gathers and gradient reduce-scatters are not in the traffic model yet
+                "dp": None if zero == 3 else dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, precision),
                 "pp": pp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
             }
             for cls in TRAFFIC_CLASSES:
                 row[f"{cls}_bytes"] = r["traffic"][cls]
             for cls, value in theory.items():
                 row[f"{cls}_predicted"] = value
-                row[f"{cls}_error"] = rel_error(value, r["traffic"][cls])
+                row[f"{cls}_error"] = None if value is None else rel_error(value, r["traffic"][cls])
             row.update(step_s=step, step_s_min_repeat=min(rank0["repeat_medians"]),
                        step_s_max_repeat=max(rank0["repeat_medians"]),
                        tokens_per_s=run["global_batch"] * run["seq"] / step)
@@ -111,7 +128,9 @@ def markdown_table(rows) -> str:
     for row in seen.values():
         comm = []
         for cls in ("tp", "dp", "pp"):
-            if row[f"{cls}_predicted"] == 0 and row[f"{cls}_bytes"] == 0:
+            if row[f"{cls}_predicted"] is None:
+                comm.append(f"{row[f'{cls}_bytes'] / 1e3:.1f} / n/p | -")  # not predicted
+            elif row[f"{cls}_predicted"] == 0 and row[f"{cls}_bytes"] == 0:
                 comm.append("- | -")
             else:
                 comm.append(f"{row[f'{cls}_bytes'] / 1e3:.1f} / {row[f'{cls}_predicted'] / 1e3:.1f} | "
@@ -126,7 +145,8 @@ def markdown_table(rows) -> str:
 def summary(rows) -> dict:
     worst = {"states": max(abs(r["states_error"]) for r in rows)}
     for cls in ("tp", "dp", "pp"):
-        errors = [abs(r[f"{cls}_error"]) for r in rows if r[f"{cls}_predicted"] or r[f"{cls}_bytes"]]
+        errors = [abs(r[f"{cls}_error"]) for r in rows
+                  if r[f"{cls}_error"] is not None and (r[f"{cls}_predicted"] or r[f"{cls}_bytes"])]
         worst[cls] = max(errors) if errors else 0.0
     return worst
 

@@ -43,6 +43,9 @@ from common import (  # noqa: E402
     timed,
 )
 
+from hybrid3d.model import LlamaShape  # noqa: E402
+from hybrid3d.planning.offload_plan import offload_options  # noqa: E402
+
 SIZES = {  # small Llamas that train in well under a second per step on 2 CPU cores
     "S": dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
               head_dim=32),
@@ -51,6 +54,7 @@ SIZES = {  # small Llamas that train in well under a second per step on 2 CPU co
 }
 LAYOUTS = {"DP4": (1, 1, 4), "TP2xDP2": (2, 1, 2), "PP2xDP2": (1, 2, 2), "TP2xPP2": (2, 2, 1), "TP4": (4, 1, 1),
            "PP4": (1, 4, 1), "DP2": (1, 1, 2), "DP8": (1, 1, 8), "TP2xPP2xDP2": (2, 2, 2)}
+OFFLOAD_SUFFIX = {"none": "", "optimizer": "-off", "optimizer+params": "-offp"}  # of the configuration's name
 # The full run's work per configuration, and --quick's: every row kept, each step an eighth of the tokens (the model
 # states and the DP traffic do not depend on them, the TP and pipeline messages scale with them), fewer timed steps.
 FULL = dict(seq_length=128, micro_batch=2, global_batch=8, steps=5, repeats=3)
@@ -60,13 +64,19 @@ QUICK = dict(seq_length=32, micro_batch=1, global_batch=4, steps=2, repeats=2)
 DEFAULT_BUCKET = 4_000_000
 
 
-def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket):
+def ds_config(tp, pp, dp, zero, precision, global_batch, micro_batch, bucket, offload="none"):
+    zero_optimization = {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket}
+    if offload != "none":
+        zero_optimization["offload_optimizer"] = {"device": "cpu"}
+    if offload == "optimizer+params":
+        zero_optimization["offload_param"] = {"device": "cpu"}
     config = {
         "train_batch_size": global_batch,
         "train_micro_batch_size_per_gpu": micro_batch,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+        # with offload DeepSpeed steps the host partition with its CPU Adam (torch_adam would refuse it)
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, **({"torch_adam": True} if offload == "none" else {})}},
         "gradient_clipping": 1.0,
-        "zero_optimization": {"stage": zero, "reduce_bucket_size": bucket, "allgather_bucket_size": bucket},
+        "zero_optimization": zero_optimization,
         "comms_logger": {"enabled": True, "debug": True, "prof_all": False, "verbose": False},
         "steps_per_print": 10**9,
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp,
@@ -98,7 +108,7 @@ def run_config(run: dict, steps: int, verbose: bool = False, measure: bool = Tru
     tp, pp, dp = run["tp"], run["pp"], run["dp"]
     with deepspeed_prints(verbose):  # the pipeline's layer listing and topology, as the job holds them back
         trainer = build_trainer_from_json(ds_config(tp, pp, dp, run["zero"], run["precision"], run["global_batch"],
-                                          run["micro_batch"], run["bucket"]), shape)
+                                          run["micro_batch"], run["bucket"], run["offload"]), shape)
     built = time.perf_counter()
     data = random_batches(shape.vocab_size, run["micro_batch"], run["seq"], trainer.groups.get_data_parallel_rank())
     result = {"stage": trainer.groups.stage_id, "tp_rank": trainer.groups.get_tensor_model_parallel_rank(),
@@ -162,13 +172,16 @@ def plan_runs(args) -> list:
             if args.global_batch % (dp * args.micro_batch):
                 raise SystemExit(f"error: --global-batch {args.global_batch} is not divisible by "
                                  f"dp x micro-batch = {dp} x {args.micro_batch}")
-            for zero in args.zero:
+            for zero, offload in [(z, o) for z in args.zero for o in args.offload]:
+                if (zero == 3 and pp > 1) or offload not in offload_options(LlamaShape(**SIZES[size]), pp, zero):
+                    continue  # ZeRO-3 runs without a pipeline; offload as the trainer takes it (offload_plan.py)
                 precision = args.precision
                 if precision == "bf16+fp32acc" and zero == 0:
                     precision = "bf16"  # fp32 accumulation needs ZeRO >= 1 (BF16_Optimizer)
-                runs.append(dict(name=f"{size}-{layout}-Z{zero}", size=size, layout=layout, tp=tp, pp=pp, dp=dp,
-                                 zero=zero, precision=precision, seq=args.seq_length, micro_batch=args.micro_batch,
-                                 global_batch=args.global_batch, bucket=args.reduce_bucket_size))
+                runs.append(dict(name=f"{size}-{layout}-Z{zero}{OFFLOAD_SUFFIX[offload]}", size=size, layout=layout,
+                                 tp=tp, pp=pp, dp=dp, zero=zero, precision=precision, seq=args.seq_length,
+                                 micro_batch=args.micro_batch, global_batch=args.global_batch,
+                                 bucket=args.reduce_bucket_size, offload=offload))
     return runs
 
 
@@ -180,7 +193,10 @@ def parse_args(argv=None):
                              f"a few minutes on 2 cores")
     parser.add_argument("--sizes", default="S,M")
     parser.add_argument("--layouts", default="DP4,TP2xDP2,PP2xDP2,TP2xPP2")
-    parser.add_argument("--zero", type=int_list, default="0,1,2")
+    parser.add_argument("--zero", type=int_list, default="0,1,2", help="ZeRO stages (3: without a pipeline)")
+    parser.add_argument("--offload", default="none",
+                        help="comma-separated: none, optimizer (offload_optimizer, ZeRO-1/2/3), optimizer+params "
+                             "(and offload_param, ZeRO-3)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16+fp32acc", "fp32"))
     parser.add_argument("--world", type=int, default=4)
     parser.add_argument("--seq-length", type=int, default=None)
@@ -199,6 +215,10 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.layouts = [s for s in args.layouts.split(",") if s]
+    args.offload = [s for s in args.offload.split(",") if s]
+    for name in args.offload:
+        if name not in OFFLOAD_SUFFIX:
+            parser.error(f"unknown offload {name} (known: {', '.join(OFFLOAD_SUFFIX)})")
     for name in args.sizes:
         if name not in SIZES:
             parser.error(f"unknown size {name} (known: {', '.join(SIZES)})")

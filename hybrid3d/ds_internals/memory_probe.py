@@ -121,8 +121,10 @@ def census(module: torch.nn.Module, optimizer, extra_grads=()) -> StateBytes:
     for category, names in _WRAPPER_ATTRIBUTES.items():
         for name in names:
             if optimizer is not base and hasattr(optimizer, name):
-                claim(category, [t for path, t in _tensors(getattr(optimizer, name), name)
-                                 if not (category == "master" and _is_grad_path(path))], name)
+                found = list(_tensors(getattr(optimizer, name), name))
+                claim(category, [t for path, t in found if not (category == "master" and _is_grad_path(path))], name)
+                if category == "master":  # the master partition's gradient (ZeRO-3 offload holds it between steps)
+                    claim("grads", [t for path, t in found if _is_grad_path(path)], name + ".grad")
     claim("grads", [p.grad for p in params], "param.grad")
     claim("grads", [getattr(p, "grad_accum", None) for p in params], "param.grad_accum")
     claim("grads", list(extra_grads), "extra_grads")

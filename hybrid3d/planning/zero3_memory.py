@@ -37,7 +37,13 @@ gathered tensors are freed as soon as their module has run, so no snapshot sees 
 import math
 from dataclasses import dataclass
 
-from hybrid3d.planning.memory import ModelStates, RankModelStates, aligned_numel, compute_bytes, params_in_partition
+from hybrid3d.planning.memory import (
+    ModelStates,
+    RankModelStates,
+    aligned_numel,
+    compute_bytes,
+    params_in_partition,
+)
 
 ZERO3 = "DeepSpeedZeroOptimizer_Stage3"
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (elements)
@@ -51,16 +57,17 @@ class PlacedStates:
     """A rank's model states at their peak, with the part held in host memory."""
 
     states: RankModelStates  # device and host together, the probe's categories
-    host: ModelStates  # the offloaded part, the same at both moments
+    host: ModelStates  # the offloaded part at the step
+    host_boundary: ModelStates  # and at the accumulation boundary
 
     @property
     def device_bytes(self) -> int:
-        """The larger of the two moments on the device (the host buffers are allocated at both)."""
-        return max(self.states.boundary.total, self.states.step.total) - self.host.total
+        """The larger of the two moments on the device."""
+        return max(self.states.boundary.total - self.host_boundary.total, self.states.step.total - self.host.total)
 
     @property
     def host_bytes(self) -> int:
-        return self.host.total
+        return max(self.host.total, self.host_boundary.total)
 
 
 def zero3_partition_numel(numels: list[int], nd: int) -> int:
@@ -70,49 +77,58 @@ def zero3_partition_numel(numels: list[int], nd: int) -> int:
 
 def zero3_model_states(numels: list[int], nd: int, precision: str, reduce_bucket_size: int,
                        persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD, offload: str = "none",
-                       torch_adam: bool = True) -> PlacedStates:
+                       torch_adam: bool = True, gathered_numel: int = 0) -> PlacedStates:
     """ZeRO-3 model states of a rank holding parameters of sizes `numels` (its TP shard), partitioned over nd
     ranks (the module table); `offload` one of OFFLOAD_CHOICES; `torch_adam`: torch's Adam keeps a step tensor
-    (DeepSpeedCPUAdam, which offload uses, does not)."""
+    (DeepSpeedCPUAdam, which offload uses, does not); `gathered_numel`: the elements of the first layer on this TP
+    rank, gathered at the accumulation boundary. Host buffers exist at the step (the fp32 gradient is made for it)."""
     lp = compute_bytes(precision)
     ga = 4 if precision == "bf16+fp32acc" else lp
     part = zero3_partition_numel(numels, nd)
     persistent = sum(n for n in numels if n <= persistence_threshold)
     adam = 8 * part + (4 if torch_adam and offload == "none" else 0)
-    # persistent parameters are whole between the steps; the step partitions them and gathers them after its update
-    boundary = ModelStates(params=lp * part + lp * persistent, grads=ga * part + lp * reduce_bucket_size + (4 * part if offload != "none"
-                                                                                       else 0),
-                           master=4 * part, optim_states=adam)
+    # persistent parameters are whole between the steps (the step partitions them and gathers them after its
+    # update); when the gradient reduction starts the first layer (the embedding, the backward's last module) is still
+    # gathered; the fp32 gradient exists only for the step, with offload it is a host buffer held from the first
+    # reduction into it on (measured: there at the boundary with buckets smaller than the model, not yet with one
+    # bucket for all of it: an upper bound then)
+    fp32_grad = 4 * part if offload != "none" else 0
+    boundary = ModelStates(params=lp * (part + persistent + gathered_numel),
+                           grads=ga * part + lp * reduce_bucket_size + fp32_grad, master=4 * part, optim_states=adam)
     step = ModelStates(params=lp * part, grads=ga * part + lp * reduce_bucket_size + 4 * part, master=4 * part,
                        optim_states=adam)
-    host = ModelStates(0, 0, 0, 0)
+    host = host_boundary = ModelStates(0, 0, 0, 0)
     if offload != "none":
-        host = ModelStates(params=lp * part if offload == "optimizer+params" else 0, grads=ga * part + 4 * part,
-                           master=4 * part, optim_states=adam)
-    return PlacedStates(RankModelStates(boundary, step, ZERO3), host)
+        host = host_boundary = ModelStates(params=lp * part if offload == "optimizer+params" else 0,
+                                           grads=ga * part + 4 * part, master=4 * part, optim_states=adam)
+    return PlacedStates(RankModelStates(boundary, step, ZERO3), host, host_boundary)
 
 
-def offload_states(states: RankModelStates, numels: list[int], nd: int, precision: str, dp_rank: int = 0,
+def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: int, precision: str, dp_rank: int = 0,
                    gas: int = 1) -> PlacedStates:
     """ZeRO-1/2 `states` (`memory.model_states_from_numels`) with `offload_optimizer: cpu` (stage_1_and_2.py's
     cpu_offload). In host memory: the fp32 partition of aligned(Ψ)/Nd elements, its fp32 gradient and Adam's moments
     (DeepSpeedCPUAdam: no step tensor), an lp copy of the partition for the updated weights' way back, an lp staging
-    buffer of the largest parameter, and with gas > 1 an lp accumulator of every parameter overlapping the rank's
-    partition; on the device, besides the lp weights, their gradients and the reduce bucket, an lp staging buffer of
+    buffer of the largest parameter, and at ZeRO-2 with gas > 1 an lp accumulator of every parameter overlapping the
+    rank's partition; on the device, besides the lp weights, their gradients and the reduce bucket, an lp staging buffer of
     the largest parameter."""
     lp = compute_bytes(precision)
     part = aligned_numel(sum(numels), nd) // nd
     largest = lp * max(numels)
-    accumulators = lp * sum(numels[i] for i in params_in_partition(numels, part, dp_rank)) if gas > 1 else 0
+    # ZeRO-2 (partitioned gradients) accumulates on the host between micro-batches; ZeRO-1 reduces at the boundary
+    mine = params_in_partition(numels, part, dp_rank)
+    accumulators = lp * sum(numels[i] for i in mine) if gas > 1 and zero == 2 else 0
     host = ModelStates(params=lp * part, grads=4 * part + largest + accumulators, master=4 * part,
                        optim_states=8 * part)
 
     def offloaded(s: ModelStates, fp32_grad: int) -> ModelStates:
         return ModelStates(s.params + lp * part, s.grads + fp32_grad + 2 * largest + accumulators, s.master, 8 * part)
 
-    # the fp32 gradient partition is a host buffer from the start (the step's states already count it)
+    # At the boundary, an upper bound: what is held then depends on when the buckets were reduced (measured: the
+    # fp32 gradient is there at gas 1; with gas 2 and small buckets the accumulators are and it is not, with one
+    # bucket the reverse); the step's states already count the fp32 gradient
     placed = RankModelStates(offloaded(states.boundary, 4 * part), offloaded(states.step, 0), states.wrapper)
-    return PlacedStates(placed, host)
+    return PlacedStates(placed, host, host)
 
 
 def live_parameter_bytes(layer_numels: list[int], precision: str, prefetch_bucket: int = DEFAULT_PREFETCH_BUCKET,
