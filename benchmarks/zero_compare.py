@@ -1,18 +1,20 @@
-"""ZeRO 0/1/2 across layouts and model sizes: measured per-rank memory, time and traffic next to
-`hybrid3d.memory` and `hybrid3d.comm_volume`.
+"""ZeRO 0/1/2/3 and offload across layouts and model sizes: measured per-rank memory, time and traffic next to
+`hybrid3d.planning.memory` (`zero3_memory` for ZeRO-3 and offload) and `hybrid3d.planning.traffic`.
 
 One spawned world runs every configuration in turn, `--repeats` times round-robin, so the
 throughput figures of all configurations come from the same minutes of the same machine. Per
 configuration and rank:
 - model-state bytes counted from the optimizer's own tensors (`hybrid3d.ds_internals.memory_probe.PeakProbe`)
-  during the second step, against `hybrid3d.planning.memory.rank_model_states`;
+  during the second step, against `hybrid3d.planning.memory.rank_model_states` (ZeRO-3 and offload:
+  `hybrid3d.planning.zero3_memory`);
 - peak RSS of the configuration (the kernel's high-water mark, reset before it is built);
 - collective bytes of one step from DeepSpeed's comms logger, split by caller into TP, DP and
-  pipeline traffic, against `hybrid3d.comm_volume`;
+  pipeline traffic, against `hybrid3d.planning.traffic` (ZeRO-3's DP traffic not predicted yet);
 - step time (median over `--steps` timed steps of every repeat) and tokens/s of the world.
 
     python benchmarks/zero_compare.py --quick
-    python benchmarks/zero_compare.py --sizes S,M --layouts DP4,TP2xDP2,PP2xDP2,TP2xPP2 --zero 0,1,2
+    python benchmarks/zero_compare.py     # the full run: + ZeRO-3 (pp = 1 layouts) and optimizer offload
+    python benchmarks/zero_compare.py --sizes S,M --layouts DP4,TP2xDP2,PP2xDP2,TP2xPP2 --zero 0,1,2 --offload none
 """
 
 import argparse
@@ -57,8 +59,9 @@ LAYOUTS = {"DP4": (1, 1, 4), "TP2xDP2": (2, 1, 2), "PP2xDP2": (1, 2, 2), "TP2xPP
 OFFLOAD_SUFFIX = {"none": "", "optimizer": "-off", "optimizer+params": "-offp"}  # of the configuration's name
 # The full run's work per configuration, and --quick's: every row kept, each step an eighth of the tokens (the model
 # states and the DP traffic do not depend on them, the TP and pipeline messages scale with them), fewer timed steps.
-FULL = dict(seq_length=128, micro_batch=2, global_batch=8, steps=5, repeats=3)
-QUICK = dict(seq_length=32, micro_batch=1, global_batch=4, steps=2, repeats=2)
+# The full run also measures ZeRO-3 (its pp = 1 layouts) and optimizer offload; --quick keeps to ZeRO 0/1/2.
+FULL = dict(seq_length=128, micro_batch=2, global_batch=8, steps=5, repeats=3, zero="0,1,2,3", offload="none,optimizer")
+QUICK = dict(seq_length=32, micro_batch=1, global_batch=4, steps=2, repeats=2, zero="0,1,2", offload="none")
 # reduce_bucket_size (elements): ZeRO-1/2 keep one bucket alive, so it is part of the model states;
 # DeepSpeed's default (5e8, 1 GB in bf16) would dwarf these models.
 DEFAULT_BUCKET = 4_000_000
@@ -193,8 +196,8 @@ def parse_args(argv=None):
                              f"a few minutes on 2 cores")
     parser.add_argument("--sizes", default="S,M")
     parser.add_argument("--layouts", default="DP4,TP2xDP2,PP2xDP2,TP2xPP2")
-    parser.add_argument("--zero", type=int_list, default="0,1,2", help="ZeRO stages (3: without a pipeline)")
-    parser.add_argument("--offload", default="none",
+    parser.add_argument("--zero", default=None, help="ZeRO stages (3: without a pipeline)")
+    parser.add_argument("--offload", default=None,
                         help="comma-separated: none, optimizer (offload_optimizer, ZeRO-1/2/3), optimizer+params "
                              "(and offload_param, ZeRO-3)")
     parser.add_argument("--precision", default="bf16", choices=("bf16", "bf16+fp32acc", "fp32"))
@@ -215,6 +218,10 @@ def parse_args(argv=None):
             setattr(args, key, value)
     args.sizes = [s for s in args.sizes.split(",") if s]
     args.layouts = [s for s in args.layouts.split(",") if s]
+    try:
+        args.zero = int_list(args.zero)
+    except ValueError:
+        parser.error(f"--zero takes comma-separated stages (0,1,2,3), got {args.zero!r}")
     args.offload = [s for s in args.offload.split(",") if s]
     for name in args.offload:
         if name not in OFFLOAD_SUFFIX:
