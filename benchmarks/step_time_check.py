@@ -47,6 +47,7 @@ from hybrid3d.model import LlamaShape  # noqa: E402
 from hybrid3d.planning.flops import training_flops_per_token  # noqa: E402
 from hybrid3d.planning.memory import GB  # noqa: E402
 from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
+from hybrid3d.planning.step_time import shared_core_bubble  # noqa: E402
 from hybrid3d.planning.traffic import tp_messages  # noqa: E402
 
 
@@ -145,11 +146,6 @@ def copy_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
         target.copy_(source)
         times.append(time.perf_counter() - start)
     return 2 * numel * 4 / statistics.median(times)
-
-
-def shared_core_bubble(world: int, pp: int, cores: int) -> float:
-    """The factor a 1F1B bubble takes when `world` ranks share `cores` (module docstring)."""
-    return (min(cores, world) / world) / min(1.0, cores * pp / world) if pp > 1 else 1.0
 
 
 def main(argv=None):

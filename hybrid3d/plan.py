@@ -1,4 +1,4 @@
-"""`python -m hybrid3d.plan`: the layout planner's command line (hybrid3d/planning/planner.py)."""
+"""`python -m hybrid3d.plan`: the layout planner's command line (hybrid3d/planning/plan_cli.py)."""
 
 import sys
 
@@ -8,7 +8,7 @@ from hybrid3d.training.quiet_start import hold_back_deepspeed_log
 # accelerator detection; a plan needs no accelerator, so its answer comes first and alone.
 hold_back_deepspeed_log()
 
-from hybrid3d.planning.planner import main  # noqa: E402
+from hybrid3d.planning.plan_cli import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

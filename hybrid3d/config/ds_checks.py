@@ -242,6 +242,20 @@ def check_sequence_splits(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"{SECTION}.data.seq_length ({seq}) is not divisible by {what}")
 
 
+def apply_activation_checkpointing(ds: dict, hybrid: HybridSection) -> None:
+    """`hybrid3d.activation_checkpointing` as DeepSpeed's key: true sets pipeline.activation_checkpoint_interval 1
+    where the JSON gives none; a given interval that says the opposite is refused."""
+    wanted = hybrid.activation_checkpointing
+    if wanted is None:
+        return
+    interval = ds.get("pipeline", {}).get("activation_checkpoint_interval")
+    if interval is not None and bool(interval) != wanted:
+        raise ConfigError(f"{SECTION}.activation_checkpointing is {str(wanted).lower()} but "
+                          f"pipeline.activation_checkpoint_interval is {interval!r}: remove one of them")
+    if wanted and interval is None:
+        ds.setdefault("pipeline", {})["activation_checkpoint_interval"] = 1
+
+
 def check_activation_checkpointing(ds: dict, pp: int, num_layers: int | None, on_cpu: bool) -> None:
     pipe = ds.get("pipeline", {})
     interval = pipe.get("activation_checkpoint_interval", 0)

@@ -5,6 +5,7 @@ import json
 from dataclasses import dataclass, field
 
 from hybrid3d.config.ds_checks import (
+    apply_activation_checkpointing,
     check_activation_checkpointing,
     check_expert_parallel,
     check_checkpoint_engine,
@@ -103,5 +104,6 @@ def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_c
     check_expert_parallel(ds, hybrid)
     check_nonfinite_policy(ds, hybrid.train.on_nonfinite)
     check_checkpoint_engine(ds)
+    apply_activation_checkpointing(ds, hybrid)
     check_activation_checkpointing(ds, layout.pp, num_layers, on_cpu)
     return RunConfig(hybrid=hybrid, layout=layout, ds_config=ds)

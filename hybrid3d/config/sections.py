@@ -138,6 +138,16 @@ class HybridSection:
     pipeline_zero2: bool = False
     # Share of each stage's gradient elements accumulated locally and reduced once per step instead.
     pipeline_zero2_deferred_fraction: float = 0.0
+    # Full activation checkpointing of every decoder block (true: DeepSpeed's pipeline.activation_checkpoint_interval
+    # 1 unless the JSON sets its own interval; false: none); null: as the DeepSpeed part says. "auto" is decided by
+    # the planner (planning/auto_layout.py), as are the sizes above.
+    activation_checkpointing: Optional[bool] = None
+    # The memory budget of a device in GB for "auto" (default: the accelerator's total memory; required on the CPU,
+    # where it is an artificial cap on what the memory model counts)
+    device_memory_gb: Optional[float] = None
+    # "auto": shorthand for "auto" in each key above that may take it and the config leaves out (decided, then
+    # dropped, by the training job's entry before this section is parsed)
+    layout: Optional[str] = None
     model: ModelSection = field(default_factory=ModelSection)
     data: DataSection = field(default_factory=DataSection)
     train: TrainSection = field(default_factory=TrainSection)
@@ -170,6 +180,9 @@ NON_NEGATIVE = {"seed", "eval_interval", "save_interval", "keep_last", "loss_chu
 
 def _check_value(value: Any, annotation: Any, key: str, field_name: str) -> Any:
     """Type-check one JSON value against a dataclass field annotation."""
+    if value == "auto":  # training/entry.py (and plan --write-config) write the planner's values in first
+        raise ConfigError(f"{key} is \"auto\": only launch/train.py and python -m hybrid3d.plan --write-config "
+                          "decide \"auto\" (the config as given here must be written out)")
     optional = typing.get_origin(annotation) is typing.Union and type(None) in typing.get_args(annotation)
     if optional:
         if value is None:
@@ -218,6 +231,10 @@ def _parse_section(section: Any, cls, prefix: str):
 
 def parse_hybrid_section(raw: dict) -> HybridSection:
     section = _parse_section(raw.get(SECTION, {}), HybridSection, SECTION)
+    if section.layout is not None:
+        raise ConfigError(f"{SECTION}.layout must be \"auto\" (decided by launch/train.py), got {section.layout!r}")
+    if section.device_memory_gb is not None and section.device_memory_gb <= 0:
+        raise ConfigError(f"{SECTION}.device_memory_gb must be positive, got {section.device_memory_gb}")
     if section.data.eval_fraction >= 1:
         raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
     if section.data.format not in DATA_FORMATS:

@@ -49,18 +49,12 @@ of every parameter): LoRA skips the base's weight-gradient GEMMs (about 4N) and 
 gradients, which `step_time`/`traffic` do not model yet, so the rel.time of LoRA rows over-weights DP.
 """
 
-import argparse
-import os
-import sys
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
-from hybrid3d.errors import ConfigError, UserError
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import LORA_TARGETS
 from hybrid3d.planning.activations import uses_ring
-from hybrid3d.planning.flops import peak_tflops
-from hybrid3d.planning.hints import gb, no_fit_hints, parse_gigabytes
+from hybrid3d.planning.hints import gb
 from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner's public names)
     Candidate,
     cp_label,
@@ -101,10 +95,11 @@ class Choice:
     cp_a2a: int = 1  # hybrid3d.context_parallel_a2a_size: the Ulysses ranks inside each ring member with "a2a+p2p"
     offload: str = NO_OFFLOAD  # zero3_memory.OFFLOAD_CHOICES: what DeepSpeed keeps in host memory
     host_gb: float = 0.0  # host memory per GPU for the offloaded states
+    run_precision: Optional[str] = None  # a run's own precision (memory.PRECISIONS); None: the planner's convention
 
     @property
     def precision(self) -> str:
-        return planned_precision(self.zero, self.offload)
+        return self.run_precision or planned_precision(self.zero, self.offload)
 
     @property
     def ring(self) -> bool:
@@ -126,11 +121,12 @@ def planned_precision(zero: int, offload: str = NO_OFFLOAD) -> str:
 
 def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
                 seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b", v: int = 1,
-                comm: str = "a2a", cp_a2a: int = 1, offload: str = NO_OFFLOAD) -> tuple[float, float, float]:
-    """(device model states, activations, host bytes) of the worst rank at the planned precision, ZeRO over the d·c
-    ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2), or for ZeRO-3 and offload
+                comm: str = "a2a", cp_a2a: int = 1, offload: str = NO_OFFLOAD,
+                precision: Optional[str] = None) -> tuple[float, float, float]:
+    """(device model states, activations, host bytes) of the worst rank at `precision` (None: the planned one), ZeRO
+    over the d·c ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2), or for ZeRO-3 and offload
     `offload_plan.worst_rank_placed`."""
-    precision = planned_precision(zero, offload)
+    precision = precision or planned_precision(zero, offload)
     if zero == 3 or offload != NO_OFFLOAD:
         return worst_rank_placed(shape, tp, pp, dp * cp, zero, precision, offload, checkpointing, micro_batch, seq,
                                  gas, bucket, sp, cp, schedule, v, comm, cp_a2a)
@@ -152,19 +148,20 @@ def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bo
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
              schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
-             offload: str = NO_OFFLOAD) -> Choice:
+             offload: str = NO_OFFLOAD, precision: Optional[str] = None) -> Choice:
+    """One option's memory and step time; `precision`: a run's own (None: `planned_precision`)."""
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
-    precision = planned_precision(zero, offload)
+    run_precision, precision = precision, precision or planned_precision(zero, offload)
     states, acts, host = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
-                                     schedule, virtual, comm, cp_a2a, offload)
+                                     schedule, virtual, comm, cp_a2a, offload, precision)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
                               sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
                               cp_a2a=cp_a2a, offload=offload)
     memory = states + acts + cluster.reserve_gb * GB
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
                   step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual,
-                  comm, cp_a2a, offload, host / GB)
+                  comm, cp_a2a, offload, host / GB, run_precision)
 
 
 def _zero_stages(shape: LlamaShape, pp: int, dp: int) -> tuple:
@@ -189,12 +186,16 @@ def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
 
 def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucket: int = DEFAULT_REDUCE_BUCKET,
          sequence_parallel: bool = False, context_parallel: bool = False,
-         schedules: bool = False, least: Optional[list] = None) -> tuple[list[Choice], list[str]]:
+         schedules: bool = False, least: Optional[list] = None, precision: Optional[str] = None,
+         accept: Optional[Callable[[Choice], bool]] = None, offload: bool = True) -> tuple[list[Choice], list[str]]:
     """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
     per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
     `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
     (`schedule_options`) for p > 1 (the command line does all three; off by default, so a plain call plans
-    the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory."""
+    the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory.
+    A run's "auto" (`planning.auto_layout`): `precision`, its own for every row (None: `planned_precision`);
+    `accept`, the options its given keys allow (the others are neither rows nor refusals); `offload`, False where
+    offload cannot help (the CPU)."""
     feasible, refused = [], []
     for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
@@ -205,10 +206,13 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
         for zero in _zero_stages(shape, pp, dp * cp):
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
-                                offload=offload)
+                                offload=kind, precision=precision)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
-                       for offload in offload_options(shape, pp, zero)]
+                       for kind in (offload_options(shape, pp, zero) if offload else (NO_OFFLOAD,))]
+            options = [c for c in options if accept is None or accept(c)]
+            if not options:
+                continue
             fits = [c for c in options if c.memory_gb <= cluster.gpu_memory_gb and host_fits(c, cluster)]
             for kind in dict.fromkeys((c.schedule, c.offload) for c in fits):  # the fastest row of each
                 feasible.append(min((c for c in fits if (c.schedule, c.offload) == kind),
@@ -283,108 +287,3 @@ def longest_sequence(shape: LlamaShape, cluster: Cluster, global_batch: int, max
         refused += [reason] if reason else []
     rows.sort(key=lambda r: (-r[1], r[0].step_seconds))
     return rows, refused
-
-
-def load_shape(model: str) -> LlamaShape:
-    """A preset name or a Hugging Face model directory (its config.json)."""
-    from hybrid3d.model.presets import PRESETS, preset_config
-
-    if model in PRESETS:
-        return LlamaShape.from_hf(preset_config(model))
-    if os.path.isdir(model):
-        if not os.path.isfile(os.path.join(model, "config.json")):
-            raise UserError(f"{model}: no config.json in this directory")
-        from hybrid3d.model.hf_source import read_hf_config
-
-        return LlamaShape.from_hf(read_hf_config(model))  # the family's own config class (AutoConfig)
-    raise UserError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):
-        print(f"error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
-def _positive(kind):
-    def parse(text):
-        value = kind(text)
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
-        return value
-
-    return parse
-
-
-def main(argv=None) -> int:
-    summary = " ".join(__doc__.split("\n\n")[0].split())  # the docstring's whole first paragraph
-    parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
-    parser.add_argument("--model", required=True, help="preset name or Hugging Face model directory")
-    parser.add_argument("--gpus", type=_positive(int), required=True)
-    parser.add_argument("--gpu-memory", type=parse_gigabytes, required=True, help="GB per GPU: 80, 80GB or 80GiB")
-    parser.add_argument("--seq-length", type=_positive(int), default=None, help="tokens per sequence (default 4096)")
-    parser.add_argument("--global-batch", type=_positive(int), default=512, help="sequences per step")
-    parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
-    parser.add_argument("--reserve", type=float, default=3.0, help="GB per GPU kept for context/NCCL/fragmentation")
-    parser.add_argument("--peak-tflops", type=_positive(float), default=None,
-                        help="peak bf16 TFLOP/s per GPU (default: H100's 989.4)")
-    parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
-    parser.add_argument("--host-memory", type=parse_gigabytes, default=None,
-                        help="GB of host memory per node for offloaded states (default: not checked)")
-    parser.add_argument("--host-adam-rate", type=_positive(float), default=Cluster.host_adam_gelems,
-                        help="billion parameters/s DeepSpeedCPUAdam steps per GPU (default "
-                             f"{Cluster.host_adam_gelems:g}: 2 cores of the CPU test machine)")
-    parser.add_argument("--top", type=_positive(int), default=15)
-    parser.add_argument("--longest-sequence", action="store_true",
-                        help="per layout (micro-batch 1), the longest sequence that fits --gpu-memory; context "
-                             "parallelism by Ulysses and ring attention")
-    parser.add_argument("--max-seq-length", type=_positive(int), default=None,
-                        help="with --longest-sequence: search up to this many tokens "
-                             "(default: the model's max_position_embeddings)")
-    parser.add_argument("--lora-rank", type=non_negative_int, default=0,
-                        help="LoRA adapters of this rank, the base frozen (default 0: full fine-tuning)")
-    parser.add_argument("--lora-targets", type=lora_targets, default=None,
-                        help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
-    args = parser.parse_args(argv)
-    if args.longest_sequence and args.seq_length is not None:
-        parser.error("--seq-length and --longest-sequence exclude each other")
-    if args.max_seq_length is not None and not args.longest_sequence:
-        parser.error("--max-seq-length needs --longest-sequence")
-    if args.lora_targets is not None and not args.lora_rank:
-        parser.error("--lora-targets needs --lora-rank")
-    try:
-        shape = with_lora(load_shape(args.model), args.lora_rank, args.lora_targets or tuple(LORA_TARGETS))
-    except (UserError, ConfigError, OSError) as e:
-        parser.error(str(e).splitlines()[0])
-    seq = args.seq_length or 4096
-    if not args.longest_sequence and seq > shape.max_position_embeddings:
-        parser.error(f"--seq-length {seq} exceeds the model's max_position_embeddings "
-                     f"({shape.max_position_embeddings})")
-    cluster = Cluster(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
-                      reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops),
-                      host_memory_gb=args.host_memory, host_adam_gelems=args.host_adam_rate)
-    lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
-    if args.longest_sequence:
-        cap = args.max_seq_length or shape.max_position_embeddings
-        rows, refused = longest_sequence(shape, cluster, args.global_batch, cap, args.reduce_bucket_size,
-                                         schedules=True)
-        print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, longest sequence up to {cap} tokens, "
-              f"global batch {args.global_batch} sequences{lora}")
-        if args.lora_rank:
-            print(lora_line(shape))
-        print(format_longest(rows, refused, args.top, cap))
-        return 0
-    least = []
-    feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
-                             sequence_parallel=True, context_parallel=True, schedules=True, least=least)
-    print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
-          f"global batch {args.global_batch} sequences{lora}")
-    if args.lora_rank:
-        print(lora_line(shape))
-    hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)
-    print(format_plan(feasible, refused, args.top, hints))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,19 +6,22 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                step (`pipeline_schedules.ideal_bubble`), slots = m/(1 - f) the step's length in micro-batch
                slots (`pipeline_slots`): 1F1B f = (p-1)/(m+p-1), slots m + p - 1, bubble compute·(p-1)/m;
                interleaved 1F1B f = (p-1)/(v·m+p-1), slots m + (p-1)/v, bubble compute·(p-1)/(v·m)
-               (Narayanan et al. 2021, §2.2.2); DualPipeV f from a timed run of its orders
+               (Narayanan et al. 2021, §2.2.2); DualPipeV f from a timed run of its orders; CPU ranks sharing
+               cores lend the idle ones' to the busy (`shared_core_bubble`, `Cluster.shared_cores`)
     tp comm  = ring bus bytes of the logged TP collectives / intra-node bandwidth (not overlapped):
                all-reduce n -> 2n(t-1)/t, reduce-scatter n -> n(t-1)/t, all-gather of shard m -> m(t-1)
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
                + the messages (`traffic.tp_messages`) · the latency of one collective (`Cluster.latency_us`,
                Hockney's α: 0 by default, as NCCL's tens of µs are small against messages of MBs; gloo's on a
-               CPU shared by its ranks are milliseconds, benchmarks/step_time_check.py measures them)
+               CPU shared by its ranks are milliseconds, benchmarks/step_time_check.py measures them; on the CPU a
+               TP group that is the whole world takes the shared-memory kernel's, `Cluster.whole_world_tp`)
     cp comm  = logged all-to-all bytes · (u-1)/u / intra-node bandwidth (`traffic.cp_bytes_per_step`), over the
                u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p")
                + with a ring ("p2p", "a2a+p2p"): ring bytes per layer (`traffic.ring_bytes_per_layer`: forward
                + backward, the forward again with checkpointing) · the busiest rank's layers · m / the ring's
                link (`Cluster.ring_gbps`: intra-node when a CP group fits a node, else inter-node)
-    dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it),
+    dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it; on the
+               CPU gloo's bucket bandwidth, `Cluster.dp_gbps`),
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
     pp comm  = slots · max over pipeline ranks of one micro-batch's
                [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth
@@ -99,6 +102,15 @@ class Cluster:
     # (0.45 with one thread); a host with more cores per GPU steps faster (--host-adam-rate)
     host_adam_gelems: float = 0.76
     host_memory_gb: Optional[float] = None  # GB of host memory per node for offloaded states (None: not checked)
+    # GB/s of DP's bucket all-reduce where it differs from the link's: on the CPU ZeRO reduces through gloo while the
+    # TP layers take DeepSpeed's shared-memory kernel (planning/machines.py); None: the link's
+    dp_gbps: Optional[float] = None
+    # Cores the ranks share (CPU ranks, more ranks than cores): a pipeline bubble's idle ranks lend theirs to the busy
+    # ones (`shared_core_bubble`); None: a device per rank
+    shared_cores: Optional[int] = None
+    # (GB/s, µs) of a TP all-reduce whose group is the whole world where it differs from the link's: on the CPU
+    # DeepSpeed's shared-memory kernel serves that group only (ds_internals/shm_all_reduce.py); None: the link's
+    whole_world_tp: Optional[tuple] = None
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -122,6 +134,12 @@ class Cluster:
         crosses = any(r // self.gpus_per_node != (r + offset) // self.gpus_per_node
                       for r in range(first, first + width))
         return self.inter_node_gbps if crosses else self.intra_node_gbps
+
+
+def shared_core_bubble(world: int, pp: int, cores: int) -> float:
+    """The factor a 1F1B bubble takes when `world` ranks share `cores`: in a bubble of p stages one stage's w/p
+    ranks run, each on min(1, C·p/w) of a core instead of C/w (benchmarks/step_time_check.py measured it)."""
+    return (min(cores, world) / world) / min(1.0, cores * pp / world) if pp > 1 else 1.0
 
 
 @dataclass(frozen=True)
@@ -253,12 +271,16 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     compute *= 4 / 3 if checkpointing else 1
     compute /= cluster.peak_tflops * 1e12 * cluster.efficiency
     intra = cluster.intra_node_gbps * GB
+    tp_gbps, tp_latency_us = cluster.intra_node_gbps, cluster.latency_us
+    if cluster.whole_world_tp and tp == cluster.gpus:
+        tp_gbps, tp_latency_us = cluster.whole_world_tp
+
     def tp_stage_seconds(stages: int, stage: int) -> float:
         bus = tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, stages, stage, gas, act_bytes, checkpointing,
                                           sp, cp), tp)
         messages = sum(count for _, count, _ in tp_messages(shape, micro_batch, seq, tp, stages, stage, gas,
                                                              act_bytes, checkpointing, sp, cp))
-        return bus / intra + messages * cluster.latency_us * 1e-6
+        return bus / (tp_gbps * GB) + messages * tp_latency_us * 1e-6
 
     tp_seconds = _worst_rank(tp_stage_seconds, schedule, pp, v)
     u = ulysses_size(cp, comm, cp_a2a)  # the ranks of one all-to-all (c with Ulysses alone)
@@ -269,6 +291,7 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
                                cp_a2a, schedule, v)
     zero_group = dp * cp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
+    dp_bandwidth = cluster.dp_gbps or dp_bandwidth
     if zero == 3:
         weights = sum(stage_parameter_numels(shape, tp, 1, 0)) * act_bytes  # lp·Ψ of the rank's TP shard
         dp_seconds = gas * 3 * weights * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
@@ -278,5 +301,7 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
     bubble = compute * (pipeline_slots(schedule, pp, gas, v) - gas) / gas
+    if cluster.shared_cores:
+        bubble *= shared_core_bubble(cluster.gpus, pp, cluster.shared_cores)
     optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v, offload, gas)
     return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer)

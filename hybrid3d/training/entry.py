@@ -5,6 +5,7 @@ user error ends every rank with one line on stderr, exit code 2, and nothing wri
 """
 
 import argparse
+import copy
 import dataclasses
 import gc
 import glob
@@ -28,9 +29,11 @@ from hybrid3d.model.hf_weights import is_adapter, param_specs
 from hybrid3d.model.pipe import run_stage_bounds
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
+from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
+from hybrid3d.training.auto_start import resolve_auto
 from hybrid3d.training.model_source import ModelSource, resolve_model
 from hybrid3d.training.output_folder import check_output_folder
-from hybrid3d.training.validation import ValidRun, validate_run
+from hybrid3d.training.validation import ValidRun, run_shape, validate_run
 
 
 def parse_args(argv):
@@ -60,6 +63,8 @@ class Job:
     override_log: list
     verbose: bool = False
     start_over: bool = False  # train.overwrite over a previous run's folders
+    given: dict | None = None  # the config as given (overrides applied, "auto" kept); `raw` is what runs
+    auto_lines: list = dataclasses.field(default_factory=list)  # what "auto" chose and why
 
     @property
     def hybrid(self):
@@ -86,7 +91,9 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
 
     raw = read_json(args.deepspeed_config)
     override_log = apply_overrides(raw, overrides)
-    hybrid = parse_hybrid_section(raw)
+    given = copy.deepcopy(raw)  # as given: <output_dir>/config.json
+    keys = auto_keys(raw)
+    hybrid = parse_hybrid_section(placeholder_config(raw) if keys else raw)
     ranks = hybrid.tensor_parallel_size * hybrid.pipeline_parallel_size * hybrid.context_parallel_size
     if standalone and ranks > 1:
         sizes = " x ".join(f"{k} {getattr(hybrid, k)}" for k in ("tensor_parallel_size", "pipeline_parallel_size",
@@ -95,6 +102,10 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     source = resolve_model(hybrid.model, hybrid.data)
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
     on_cpu = get_accelerator().device_name() == "cpu"
+    auto_lines = []
+    if keys:  # the planner decides, then the one validation pass checks the config it wrote (training/auto_start.py)
+        raw, auto_lines = resolve_auto(raw, keys, hybrid, run_shape(shape, hybrid), world_size, on_cpu)
+        hybrid = parse_hybrid_section(raw)
     run = validate_run(raw, world_size, shape, on_cpu=on_cpu, hybrid=hybrid)
     layout, shape = run.layout, run.shape
     check_expert_checkpoints(layout.ep, layout.pp)  # the job always saves at the end
@@ -144,7 +155,7 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
     return Job(raw, run, source, save_dir, output_dir, plan, hf_weights, override_log,
-               verbose=args.verbose, start_over=start_over)
+               verbose=args.verbose, start_over=start_over, given=given, auto_lines=auto_lines)
 
 
 def main(argv=None) -> int:

@@ -197,6 +197,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     is_rank0 = rank == 0
     for line in job.override_log:
         info(f"override {line}", is_rank0)
+    for line in job.auto_lines:
+        info(line, is_rank0)
     info(threads, is_rank0)
 
     source = job.source
@@ -259,7 +261,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
         if job.start_over:
             info(f"train.overwrite: removed the previous run's {clear_previous_run(output_dir, save_dir)}", is_rank0)
         output_dir.mkdir(parents=True, exist_ok=True)
-        (output_dir / "config.json").write_text(json.dumps(job.raw, indent=1))
+        (output_dir / "config.json").write_text(json.dumps(job.given if job.given is not None else job.raw, indent=1))
+        (output_dir / "resolved_config.json").write_text(json.dumps(job.raw, indent=1))  # what ran: "auto" decided
         (output_dir / "placement.json").write_text(json.dumps(places, indent=1))
         (save_dir / HF_FILES_DIR).mkdir(parents=True, exist_ok=True)
         source.hf_config.save_pretrained(save_dir / HF_FILES_DIR)

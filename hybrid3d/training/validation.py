@@ -56,11 +56,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     config = parse_config(raw, world_size, num_layers=shape.num_layers, on_cpu=on_cpu, hybrid=hybrid)
     hybrid = config.hybrid
     layout = config.layout
-    shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple,
-                                loss_chunk_tokens=hybrid.loss_chunk_tokens)
-    if hybrid.expert_capacity_factor is not None:
-        shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
-    shape = with_lora(shape, hybrid)
+    shape = run_shape(shape, hybrid)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep, ring=layout.ring, cp_a2a=layout.cp_a2a)
     check_ring_attention(hybrid, shape.attention_dropout)
     check_compile(hybrid.compile, shape.is_moe)
@@ -74,6 +70,15 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
         raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
     return ValidRun(config, shape)
+
+
+def run_shape(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:
+    """`shape` as the run builds it: the section's vocabulary padding, loss chunks, expert capacity and adapters."""
+    shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple,
+                                loss_chunk_tokens=hybrid.loss_chunk_tokens)
+    if hybrid.expert_capacity_factor is not None:
+        shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
+    return with_lora(shape, hybrid)
 
 
 def with_lora(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:

@@ -29,6 +29,9 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     config["hybrid3d"].update(run.get("hybrid", {}))  # sequence_parallel, context_parallel_size, ...
     if "optimizer" in run:
         config["optimizer"] = run["optimizer"]
+    auto_lines = []
+    if "auto" in run:  # "auto" keys decided as launch/train.py decides them, before the one validation pass
+        config, auto_lines = decide_auto(config, run["auto"], shape, dist.get_world_size())
     with DrawCounter() as build_draws:  # HF weights follow: nothing to draw
         trainer = build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf.state_dict())
     del hf
@@ -85,6 +88,9 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
                            cpu=ds_ckpt.CPU_CHECKPOINT, synchronize=ds_ckpt.SYNCHRONIZE, profile=ds_ckpt.PROFILE_TIME,
                            num_checkpoints=ds_ckpt.num_layers),
     }
+    report["auto_lines"] = auto_lines
+    report["layout"] = (trainer.layout.tp, trainer.layout.pp, trainer.layout.cp, trainer.layout.dp,
+                        trainer.config.zero_stage, trainer.config.micro_batch_size)
     report["partitioned"] = partition_numels(trainer.module.parameters())  # ZeRO-3: (held, whole); (0, 0) else
     report["offloaded"] = offloaded(optimizer)
     if report["optimizer"] == "BF16_Optimizer":
@@ -95,6 +101,25 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     del trainer, optimizer
     gc.collect()
     return report
+
+
+def decide_auto(config: dict, auto: dict, shape, world_size: int) -> tuple[dict, list[str]]:
+    """`config` with the hybrid3d keys of `auto` ("auto" values, `layout`, `device_memory_gb`) written in, the
+    micro-batch and ZeRO stage left to "auto" when `layout` is, then decided (training/auto_start.py)."""
+    from hybrid3d.config.sections import parse_hybrid_section
+    from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
+    from hybrid3d.training.auto_start import resolve_auto
+    from hybrid3d.training.validation import run_shape
+
+    if auto.get("layout") == "auto":  # what the run's dict does not give is left open
+        for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+            config["hybrid3d"].pop(key)
+        config.pop("train_micro_batch_size_per_gpu")
+        config["zero_optimization"].pop("stage")
+    config["hybrid3d"].update(auto)
+    keys = auto_keys(config)
+    hybrid = parse_hybrid_section(placeholder_config(config))
+    return resolve_auto(config, keys, hybrid, run_shape(shape, hybrid), world_size, on_cpu=True)
 
 
 def train_runs(rank, world_size, runs, model_dirs, save_root: str = ""):

@@ -296,3 +296,33 @@ def test_chat_fine_tune_demo_runs_on_the_converted_demo_model(uninterrupted, tmp
     errors = [line for line in refused.stdout.splitlines() + refused.stderr.splitlines() if "error:" in line]
     assert errors and all("'chat' needs column 'messages'" in line for line in errors), errors
     assert not (tmp_path / "refused").exists()
+
+
+def test_auto_layout_decides_reports_writes_the_resolved_config_and_keeps_it_on_resume(tmp_path):
+    """`"layout": "auto"`: the start-up says what was chosen and why, `resolved_config.json` is a written-out config
+    the job accepts as it is, `config.json` keeps the config as given; a resume at the same world size keeps the
+    checkpoint's sizes even where another budget would plan others."""
+    config = demo_config(tmp_path, layout="auto", device_memory_gb=1.0)
+    raw = json.loads(config.read_text())
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        del raw["hybrid3d"][key]
+    for key in ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps"):
+        del raw[key]
+    del raw["zero_optimization"]["stage"]
+    raw["train_batch_size"] = 16
+    config.write_text(json.dumps(raw))
+    trained = run_job(2, config, "--train.steps", "4")
+    assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
+    chosen = re.search(r"auto: TP(\d) PP(\d) CP(\d) DP(\d)", trained.stdout)
+    assert chosen and "auto:   predicted" in trained.stdout and "auto:   next:" in trained.stdout
+    resolved = json.loads((tmp_path / "run" / "resolved_config.json").read_text())
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["hybrid3d"]["layout"] == "auto"
+    tp, pp, cp, dp = map(int, chosen.groups())
+    section = resolved["hybrid3d"]
+    assert "layout" not in section and (section["tensor_parallel_size"], section["pipeline_parallel_size"],
+                                        section["context_parallel_size"]) == (tp, pp, cp)
+    assert f"layout TP{tp}" in trained.stdout
+    resumed = run_job(2, config, "--train.steps", "6", "--checkpoint.load", "latest", "--device_memory_gb", "0.02")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert re.search(rf"auto: TP{tp} PP{pp} CP{cp} DP{dp}.*\(the sizes of .*global_step4\)", resumed.stdout)
+    assert "universal checkpoint" not in resumed.stdout and "at step 4" in resumed.stdout

@@ -9,13 +9,13 @@ import pytest
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
+from hybrid3d.planning.plan_cli import main
 from hybrid3d.planning.planner import (
     Cluster,
     estimate_step_time,
     evaluate,
     layout_refusal,
     longest_sequence,
-    main,
     plan,
     sequence_unit,
 )

@@ -7,12 +7,12 @@ import pytest
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
 from hybrid3d.planning.activations import activation_bytes_per_layer
+from hybrid3d.planning.plan_cli import main
 from hybrid3d.planning.planner import (
     Cluster,
     estimate_step_time,
     layout_refusal,
     longest_sequence,
-    main,
     sequence_unit,
 )
 

@@ -1,0 +1,175 @@
+"""`python -m hybrid3d.plan`'s command line: the planner's table (planning/planner.py, whose docstring it shows as
+its description), the longest sequences, and `--write-config`, the chosen row as a ready config (the row "auto"
+would choose: planning/auto_layout.py)."""
+
+import argparse
+import json
+import os
+import sys
+
+from hybrid3d.errors import ConfigError, UserError
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.tp_plan import LORA_TARGETS
+from hybrid3d.planning import planner
+from hybrid3d.planning.auto_layout import choose, config_for_row, row_label
+from hybrid3d.planning.flops import peak_tflops
+from hybrid3d.planning.hints import no_fit_hints, parse_gigabytes
+from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora
+from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
+from hybrid3d.planning.plan_format import format_longest, format_plan
+from hybrid3d.planning.planner import Choice, longest_sequence, plan
+from hybrid3d.planning.step_time import Cluster
+
+
+def load_shape(model: str) -> LlamaShape:
+    """A preset name or a Hugging Face model directory (its config.json)."""
+    from hybrid3d.model.presets import PRESETS, preset_config
+
+    if model in PRESETS:
+        return LlamaShape.from_hf(preset_config(model))
+    if os.path.isdir(model):
+        if not os.path.isfile(os.path.join(model, "config.json")):
+            raise UserError(f"{model}: no config.json in this directory")
+        from hybrid3d.model.hf_source import read_hf_config
+
+        return LlamaShape.from_hf(read_hf_config(model))  # the family's own config class (AutoConfig)
+    raise UserError(f"--model {model!r} is neither a preset ({', '.join(PRESETS)}) nor a directory")
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        print(f"error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _positive(kind):
+    def parse(text):
+        value = kind(text)
+        if value <= 0:
+            raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+        return value
+
+    return parse
+
+
+def main(argv=None) -> int:
+    summary = " ".join(planner.__doc__.split("\n\n")[0].split())  # the planner docstring's first paragraph
+    parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
+    parser.add_argument("--model", required=True, help="preset name or Hugging Face model directory")
+    parser.add_argument("--gpus", type=_positive(int), required=True)
+    parser.add_argument("--gpu-memory", type=parse_gigabytes, required=True, help="GB per GPU: 80, 80GB or 80GiB")
+    parser.add_argument("--seq-length", type=_positive(int), default=None, help="tokens per sequence (default 4096)")
+    parser.add_argument("--global-batch", type=_positive(int), default=512, help="sequences per step")
+    parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
+    parser.add_argument("--reserve", type=float, default=3.0, help="GB per GPU kept for context/NCCL/fragmentation")
+    parser.add_argument("--peak-tflops", type=_positive(float), default=None,
+                        help="peak bf16 TFLOP/s per GPU (default: H100's 989.4)")
+    parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
+    parser.add_argument("--host-memory", type=parse_gigabytes, default=None,
+                        help="GB of host memory per node for offloaded states (default: not checked)")
+    parser.add_argument("--host-adam-rate", type=_positive(float), default=Cluster.host_adam_gelems,
+                        help="billion parameters/s DeepSpeedCPUAdam steps per GPU (default "
+                             f"{Cluster.host_adam_gelems:g}: 2 cores of the CPU test machine)")
+    parser.add_argument("--top", type=_positive(int), default=15)
+    parser.add_argument("--longest-sequence", action="store_true",
+                        help="per layout (micro-batch 1), the longest sequence that fits --gpu-memory; context "
+                             "parallelism by Ulysses and ring attention")
+    parser.add_argument("--max-seq-length", type=_positive(int), default=None,
+                        help="with --longest-sequence: search up to this many tokens "
+                             "(default: the model's max_position_embeddings)")
+    parser.add_argument("--lora-rank", type=non_negative_int, default=0,
+                        help="LoRA adapters of this rank, the base frozen (default 0: full fine-tuning)")
+    parser.add_argument("--lora-targets", type=lora_targets, default=None,
+                        help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
+    parser.add_argument("--write-config", metavar="OUT.json", default=None,
+                        help="write the chosen row (the fastest, or within 5%% of it the one with the most headroom, "
+                             "as \"auto\" chooses) as a ready DeepSpeed config")
+    parser.add_argument("--from", dest="base", metavar="BASE.json", default=None,
+                        help="with --write-config: start from this config (optimizer, data, train ...)")
+    args = parser.parse_args(argv)
+    if args.base is not None and args.write_config is None:
+        parser.error("--from needs --write-config")
+    if args.write_config is not None and args.longest_sequence:
+        parser.error("--write-config and --longest-sequence exclude each other")
+    if args.write_config is not None and os.path.exists(args.write_config):
+        parser.error(f"--write-config: {args.write_config} exists (not overwritten)")
+    if args.longest_sequence and args.seq_length is not None:
+        parser.error("--seq-length and --longest-sequence exclude each other")
+    if args.max_seq_length is not None and not args.longest_sequence:
+        parser.error("--max-seq-length needs --longest-sequence")
+    if args.lora_targets is not None and not args.lora_rank:
+        parser.error("--lora-targets needs --lora-rank")
+    try:
+        shape = with_lora(load_shape(args.model), args.lora_rank, args.lora_targets or tuple(LORA_TARGETS))
+    except (UserError, ConfigError, OSError) as e:
+        parser.error(str(e).splitlines()[0])
+    seq = args.seq_length or 4096
+    if not args.longest_sequence and seq > shape.max_position_embeddings:
+        parser.error(f"--seq-length {seq} exceeds the model's max_position_embeddings "
+                     f"({shape.max_position_embeddings})")
+    cluster = Cluster(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
+                      reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops),
+                      host_memory_gb=args.host_memory, host_adam_gelems=args.host_adam_rate)
+    lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
+    if args.longest_sequence:
+        cap = args.max_seq_length or shape.max_position_embeddings
+        rows, refused = longest_sequence(shape, cluster, args.global_batch, cap, args.reduce_bucket_size,
+                                         schedules=True)
+        print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, longest sequence up to {cap} tokens, "
+              f"global batch {args.global_batch} sequences{lora}")
+        if args.lora_rank:
+            print(lora_line(shape))
+        print(format_longest(rows, refused, args.top, cap))
+        return 0
+    least = []
+    feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
+                             sequence_parallel=True, context_parallel=True, schedules=True, least=least)
+    print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
+          f"global batch {args.global_batch} sequences{lora}")
+    if args.lora_rank:
+        print(lora_line(shape))
+    hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)
+    print(format_plan(feasible, refused, args.top, hints))
+    if args.write_config is not None:
+        if not feasible:
+            print(f"error: --write-config: no layout fits, nothing written to {args.write_config}", file=sys.stderr)
+            return 2
+        try:
+            write_config(args, shape, feasible, seq)
+        except (UserError, OSError) as e:
+            print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
+            return 2
+    return 0
+
+
+def write_config(args, shape: LlamaShape, feasible: list[Choice], seq: int) -> None:
+    """--write-config: the chosen row as a config (`auto_layout.config_for_row`), written whole or not at all."""
+    from hybrid3d.config.sections import read_json
+
+    base = read_json(args.base) if args.base else dict(STARTER_CONFIG)
+    if os.path.isdir(args.model):
+        weights = any(f.endswith(".safetensors") for f in os.listdir(args.model))
+        model = {"hf_model": args.model, "init_from_hf": weights}
+    else:
+        model = {"preset": args.model}
+    chosen = choose(feasible, args.gpu_memory)
+    config = config_for_row(base, chosen, model, seq, args.global_batch)
+    if args.lora_rank:
+        config["hybrid3d"]["lora"] = {**config["hybrid3d"].get("lora", {}), "rank": args.lora_rank,
+                                      "target_modules": list(shape.lora_targets)}
+    temporary = f"{args.write_config}.tmp"
+    with open(temporary, "w") as f:
+        json.dump(config, f, indent=2)
+        f.write("\n")
+    os.replace(temporary, args.write_config)
+    print(f"wrote {args.write_config}: {row_label(chosen)}")
+
+
+# What --write-config starts from without --from: AdamW as the recipes set it, clipping, no other choices
+STARTER_CONFIG = {"optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "eps": 1e-8,
+                                                            "weight_decay": 0.1}},
+                  "gradient_clipping": 1.0, "steps_per_print": 1000000}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
