@@ -220,7 +220,9 @@ def report_lines(decision: Decision, source: str) -> list[str]:
                      f"{1 - decision.ranked[0].step_seconds / c.step_seconds:.1%} faster: within the "
                      f"{TIE_BAND:.0%} the estimate cannot tell apart, with {_gb(budget - c.memory_gb)} GB left "
                      f"instead of {_gb(budget - decision.ranked[0].memory_gb)}")
-    for other in [r for r in decision.ranked if r is not c][:2]:
+    sizes = (c.tp, c.pp, c.cp)  # the next rows of other layouts first: a stage of this layout is seldom the question
+    others = sorted((r for r in decision.ranked if r is not c), key=lambda r: (r.tp, r.pp, r.cp) == sizes)
+    for other in others[:2]:
         ratio = other.step_seconds / c.step_seconds - 1
         speed = (f"{ratio:.1%} slower" if ratio >= 0.0005 else f"{-ratio:.1%} faster" if ratio <= -0.0005
                  else "as fast")

@@ -30,7 +30,7 @@ def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Clu
     """`world` CPU ranks on `cores` cores of one host, each held to `budget_gb` (module docstring)."""
     lp = "fp32" if precision == "fp32" else "bf16"
     gbps, latency = CPU_GLOO_TP[lp]
-    rank_gflops = CPU_GFLOPS_PER_CORE[lp] * min(cores, world) / world  # ranks share the cores
+    rank_gflops = CPU_GFLOPS_PER_CORE[lp] * cores / world  # each rank gets its share of the cores
     return Cluster(gpus=world, gpu_memory_gb=budget_gb, gpus_per_node=world, reserve_gb=0.0,
                    peak_tflops=rank_gflops / 1e3, efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
                    memory_gbps=CPU_COPY_GBPS, latency_us=latency, dp_gbps=CPU_GLOO_DP_GBPS,
