@@ -1,11 +1,14 @@
 """Saving and verifying checkpoints from the training job (every rank calls these)."""
 
+import time
 from pathlib import Path
+from typing import Optional
 
 import deepspeed.comm as dist
 from deepspeed.accelerator import get_accelerator
 import torch
 
+from hybrid3d.checkpoint.async_save import BackgroundWriter, InFlight
 from hybrid3d.checkpoint.commit import (
     archives_to_check,
     commit,
@@ -31,32 +34,85 @@ def weights_are_finite(module) -> bool:
 
 
 class CheckpointSaver:
-    """Saves through the commit protocol of checkpoint/commit.py; never saves non-finite weights."""
+    """Saves through the commit protocol of checkpoint/commit.py; never saves non-finite weights. `asynchronous`
+    (hybrid3d.checkpoint.async): a save copies the states and returns; the files are written in the background and
+    committed by a later `poll` or `finish` (checkpoint/async_save.py)."""
 
-    def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool):
+    def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool,
+                 asynchronous: bool = False):
         self.trainer = trainer
         self.save_dir = save_dir
         self.meta = meta
         self.keep_last = keep_last
         self.is_rank0 = is_rank0
+        self.asynchronous = asynchronous
+        self.in_flight: Optional[InFlight] = None
+        self.waited_seconds = 0.0  # how long the last save waited for the one before it
+        self.last_report: Optional[dict] = None  # the report of the save that wait committed
 
     def save(self, step: int, rng: dict, samples: int) -> Path:
-        """Save after `step` optimizer steps that consumed `samples` samples (`data.DataCursor`)."""
+        """Save after `step` optimizer steps that consumed `samples` samples (`data.DataCursor`); asynchronous: the
+        tag's path, committed later (`poll`, `finish`)."""
+        started = time.perf_counter()
+        self.last_report = self.finish()  # at most one save in flight
+        self.waited_seconds = time.perf_counter() - started
         if not weights_are_finite(self.trainer.module):
             raise NonFiniteError(f"weights hold NaN or inf at step {step}; not saving a checkpoint")
         tag = tag_for_step(step)
+        started = time.perf_counter()
         if self.is_rank0:
             prepare_staging(self.save_dir, tag, at_step(self.meta, step, samples))
         dist.barrier()
+        files = {} if self.asynchronous else None
         mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
-                                 client_state=training_client_state(step, samples, rng))
+                                 client_state=training_client_state(step, samples, rng), snapshot=files)
+        if self.asynchronous:
+            copied = sum(len(data) for data in files.values())
+            self.in_flight = InFlight(tag, step, BackgroundWriter(files), time.perf_counter() - started, copied,
+                                      written_now=mine)
+            return self.save_dir / tag
+        self._commit(tag, step, mine)
+        return self.save_dir / tag
+
+    def _commit(self, tag: str, step: int, mine: dict, error: Optional[str] = None) -> None:
+        """Every rank: gather what each wrote (or why it could not), rank 0 commits and prunes."""
         written = [None] * dist.get_world_size()
-        dist.all_gather_object(written, mine)  # also the barrier: every rank's files are on disk before the commit
+        dist.all_gather_object(written, (mine, error))  # also the barrier: every rank's files are on disk
+        failed = next(((rank, e) for rank, (_, e) in enumerate(written) if e is not None), None)
+        if failed is not None:
+            message = f"checkpoint {tag}: rank {failed[0]} could not write its files ({failed[1]}); not committed"
+            raise CheckpointError(message) if self.is_rank0 else ReportedError(message)
         if self.is_rank0:
-            commit(self.save_dir, tag, {path: size for files in written for path, size in files.items()})
+            commit(self.save_dir, tag, {path: size for files, _ in written for path, size in files.items()})
             prune_checkpoints(self.save_dir, self.keep_last, step)
         dist.barrier()
-        return self.save_dir / tag
+
+    def poll(self) -> Optional[dict]:
+        """Every rank, at the same step: commit the save in flight if every rank's writer is done (one all-reduce
+        while one is in flight); its report (`_report`) when committed, else None."""
+        if self.in_flight is None:
+            return None
+        done = torch.tensor([int(self.in_flight.writer.done())], dtype=torch.int32,
+                            device=get_accelerator().current_device_name())
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        return self._commit_in_flight() if done.item() else None
+
+    def finish(self) -> Optional[dict]:
+        """Every rank: wait for the save in flight, if any, and commit it; its report."""
+        return self._commit_in_flight() if self.in_flight is not None else None
+
+    def _commit_in_flight(self) -> dict:
+        flight, self.in_flight = self.in_flight, None
+        error, mine = None, dict(flight.written_now)
+        try:
+            mine.update(flight.writer.wait())
+        except OSError as e:
+            error = str(e)
+        seconds = [0.0] * dist.get_world_size()
+        dist.all_gather_object(seconds, flight.writer.seconds)
+        self._commit(flight.tag, flight.step, mine, error)
+        return {"checkpoint": flight.tag, "step": flight.step, "held_s": flight.held_seconds,
+                "write_s": max(seconds), "copied_bytes": flight.copied_bytes}
 
 
 def verify_archives(tag_dir: Path, meta: dict, rank: int, world_size: int) -> None:

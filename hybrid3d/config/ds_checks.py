@@ -128,10 +128,13 @@ def check_checkpoint_engine(ds: dict) -> None:
     write in the background."""
     if ds.get("checkpoint", {}).get("writer") is not None:
         raise ConfigError("checkpoint.writer (DeepSpeed's fast/decoupled checkpoint writers) is not supported: "
-                          "hybrid3d commits a checkpoint only once every file is on disk; remove the key")
+                          "hybrid3d commits a checkpoint only once every file is on disk (the decoupled writer "
+                          "commits inside DeepSpeedEngine.step, which the pipeline engine never calls); remove the "
+                          "key, and for saves written in the background set hybrid3d.checkpoint.async")
     if ds.get("datastates_ckpt", {}).get("enabled", False):
         raise ConfigError("datastates_ckpt.enabled (asynchronous DataStates checkpoints) is not supported: "
-                          "hybrid3d commits a checkpoint only once every file is on disk; remove the key")
+                          "hybrid3d commits a checkpoint only once every file is on disk; remove the key, and for "
+                          "saves written in the background set hybrid3d.checkpoint.async")
 
 
 def check_nonfinite_policy(ds: dict, policy: str) -> None:

@@ -64,6 +64,9 @@ class CheckpointSection:
     save_interval: int = 0  # 0 = only at the end (and on SIGTERM/SIGINT)
     load: Optional[str] = None  # a checkpoint folder, or 'latest' for save_dir
     keep_last: int = 0  # 0 = keep all
+    # JSON key "async": each rank copies its states at a save and trains on while a background thread writes them;
+    # the commit follows once every rank's files are durable (checkpoint/async_save.py)
+    asynchronous: bool = False
 
 
 # PEFT's LoRA `target_modules` names hybrid3d adapts (model/tp_plan.py LORA_TARGETS maps them to weights)
@@ -210,18 +213,28 @@ def _check_value(value: Any, annotation: Any, key: str, field_name: str) -> Any:
     return value
 
 
+# JSON keys that are Python keywords, and the field each fills
+JSON_ALIASES = {"async": "asynchronous"}
+
+
 def _parse_section(section: Any, cls, prefix: str):
     if not isinstance(section, dict):
         raise ConfigError(f"{prefix} must be a JSON object")
     hints = typing.get_type_hints(cls)
     known = {f.name for f in fields(cls)}
+    aliases = {json_key: name for json_key, name in JSON_ALIASES.items() if name in known}
+    if any(name in section for name in aliases.values()):  # the field's own name is not a key of the JSON
+        raise ConfigError(f"{prefix}.{next(n for n in aliases.values() if n in section)} is not a known key "
+                          f"(known: {', '.join(sorted(known - set(aliases.values()) | set(aliases)))})")
+    section = {aliases.get(key, key): value for key, value in section.items()}
+    known_json = sorted(known - set(aliases.values()) | set(aliases))
     for key in section:
         if key not in known:
-            raise ConfigError(f"{prefix}.{key} is not a known key (known: {', '.join(sorted(known))})")
+            raise ConfigError(f"{prefix}.{key} is not a known key (known: {', '.join(known_json)})")
     values = {}
     for name in known & set(section):
         annotation = hints[name]
-        key = f"{prefix}.{name}"
+        key = f"{prefix}.{next((k for k, n in aliases.items() if n == name), name)}"
         if dataclasses.is_dataclass(annotation):
             values[name] = _parse_section(section[name], annotation, key)
         else:

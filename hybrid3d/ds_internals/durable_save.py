@@ -7,11 +7,17 @@ DeepSpeed 0.19.8 writes all of a checkpoint's files through the engine's checkpo
 file is written it is fsync'ed by the rank that wrote it (on a shared file system only the writing node can
 flush its cache) and its path and size are recorded, so the commit can check every rank's files in rank 0's
 view (checkpoint/commit.py). Files hybrid3d writes itself go through `fsync_file` and are recorded the same way.
+`snapshot_saves` is the asynchronous save's side of the same seam (checkpoint/async_save.py): each file's bytes, as
+`torch.save` would write them, are kept in memory instead, for a background thread to write.
 """
+
+import io
 
 import os
 from contextlib import contextmanager
 from pathlib import Path
+
+import torch
 
 
 def fsync_file(path) -> int:
@@ -47,5 +53,26 @@ def record_saves(engine, written: dict):
     checkpoint_engine.save = save
     try:
         yield written
+    finally:
+        checkpoint_engine.save = original
+
+
+@contextmanager
+def snapshot_saves(engine, files: dict):
+    """Inside the block, each file the engine's checkpoint engine would save is serialised in memory instead:
+    `files[path] = bytes` (what `torch.save` writes to the file), a copy of the states as they are now."""
+    checkpoint_engine = engine.checkpoint_engine
+    original = checkpoint_engine.save
+
+    def save(state_dict, path, *args, **kwargs):
+        buffer = io.BytesIO()
+        torch.save(state_dict, buffer,
+                   _use_new_zipfile_serialization=getattr(checkpoint_engine, "zipfile_serialization", True))
+        files[str(Path(path))] = buffer.getbuffer()
+        return None
+
+    checkpoint_engine.save = save
+    try:
+        yield files
     finally:
         checkpoint_engine.save = original

@@ -281,7 +281,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
                                     hybrid.virtual_pipeline_size, hybrid.partition_method, bounds,
                                     zero=trainer.config.zero_stage),
                       job.shape, source.hf_config, module_only=False)
-    saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0)
+    saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0,
+                            asynchronous=hybrid.checkpoint.asynchronous)
     # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.
     cursor = DataCursor(int(client.get("samples_consumed", step * batch)))
     if job.plan is not None and cursor.samples_consumed != step * batch:
@@ -294,20 +295,49 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
     stop = StopRequest(device=get_accelerator().current_device_name())
     try:
         with Watchdog(hybrid.timeout_seconds, rank) as watchdog:
-            return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor)
+            return _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor,
+                              saver)
     finally:
         trainer.close()  # a caller that runs the next job in this world gets this one's groups back
 
 
-def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor) -> int:
-    """Train from `step` to train.steps; each policy decides when it acts."""
+def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor, saver) -> int:
+    """Train from `step` to train.steps; each policy decides when it acts. A save in flight (hybrid3d.checkpoint.async)
+    is committed once written, and waited for before the next save, at the end, at a stop and at a non-finite stop."""
+    try:
+        return _steps(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor, saver)
+    except NonFiniteError:  # every rank stops at the same step: the save in flight can still be committed
+        committed(saver.finish(), logger, is_rank0)
+        raise
+
+
+def committed(report, logger, is_rank0: bool) -> None:
+    """The line and metrics record of an asynchronous save just committed (`CheckpointSaver.poll`/`finish`)."""
+    if report is not None:
+        info(f"checkpoint {report['checkpoint']} committed: the step was held {report['held_s']:.2f} s for the copy "
+             f"({report['copied_bytes'] / 2**20:,.1f} MiB), the files took {report['write_s']:.2f} s in the background",
+             is_rank0)
+        logger.checkpoint(report)
+
+
+def _steps(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank, is_rank0, cursor, saver) -> int:
     hybrid, layout, config = job.hybrid, job.layout, trainer.config
     batch = config.sequences_per_step
     evals, nonfinite = EvalSchedule(hybrid.train.eval_interval), NonFinitePolicy(hybrid.train.on_nonfinite)
 
-    def save(at_step: int) -> Path:
+    def save(at_step: int, wait: bool = False) -> Path:
+        """`wait`: an asynchronous save is also committed before returning (the end, a stop)."""
         watchdog.beat(f"the checkpoint save at step {at_step}")
-        return saves.save(at_step)
+        in_flight = saver.in_flight
+        path = saves.save(at_step)
+        if saver.waited_seconds > 0.01 and in_flight is not None:
+            info(f"checkpoint: the save at step {at_step} waited {saver.waited_seconds:.2f} s for the save of step "
+                 f"{in_flight.step} to be written", is_rank0)
+        if in_flight is not None and saver.in_flight is not in_flight:  # committed by that wait
+            committed(saver.last_report, logger, is_rank0)
+        if wait:
+            committed(saver.finish(), logger, is_rank0)
+        return path
 
     info(f"training steps {step + 1}-{hybrid.train.steps}; metrics -> {job.output_dir / 'metrics.jsonl'}", is_rank0)
     # fine-tuning data: the tokens the loss counts (answers), not the prompts and padding around them
@@ -351,14 +381,15 @@ def _step_loop(job, trainer, data, logger, saves, stop, watchdog, step, dp_rank,
                       extra=extra, echo=stop.signal_name is None, eval_losses=per_dataset)
         if saves.due(step):
             save(step)
+        committed(saver.poll(), logger, is_rank0)
         if stop.agreed():
             who = stop.who()
-            path = save(step)
+            path = save(step, wait=True)
             # the last line of the job: nothing is printed after it (run_job's teardown is silent)
             info(f"stopped by {who} after step {step}; checkpoint {path} committed (resume with --checkpoint.load "
                  f"{'latest' if path.parent == job.save_dir else path.parent})", is_rank0)
             return 0
-    path = save(step)
+    path = save(step, wait=True)
     if last_eval is not None and is_rank0:
         side = "below" if last_eval <= baseline else "above"
         info(f"last eval loss {last_eval:.4f}: {abs(baseline - last_eval):.3f} nats {side} the unigram entropy "

@@ -77,6 +77,13 @@ class MetricsLogger:
                 print(self._line(record), flush=True)
         return record
 
+    def checkpoint(self, report: dict) -> None:
+        """An asynchronous save's record in metrics.jsonl (`checkpoint`, `step`, `held_s`, `write_s`,
+        `copied_bytes`), on a line of its own: its lines have no `loss`."""
+        if self.enabled:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({**report, "time": time.time()}) + "\n")
+
     def _write(self, record: dict) -> None:
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")

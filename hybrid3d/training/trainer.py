@@ -29,7 +29,7 @@ from hybrid3d.config.ds_checks import turn_off_pipe_partitioning
 from hybrid3d.config.run_config import RunConfig
 from hybrid3d.data.packing import MicroBatch
 from hybrid3d.ds_internals import pipeline_module_uses_grid
-from hybrid3d.ds_internals.durable_save import record_saves
+from hybrid3d.ds_internals.durable_save import record_saves, snapshot_saves
 from hybrid3d.ds_internals.experts import engine_sees_experts
 from hybrid3d.ds_internals.muon_import import import_muon_lazily
 from hybrid3d.ds_internals.op_build_arch import make_arch_list_readable_for_op_builds
@@ -107,12 +107,13 @@ class Trainer:
         raise NotImplementedError
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-             save_latest: bool = True) -> dict:
+             save_latest: bool = True, snapshot: Optional[dict] = None) -> dict:
         """DeepSpeed's checkpoint; with expert parallelism plus each expert-parallel rank's experts
-        (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed."""
+        (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed. `snapshot`: the
+        engine's files go into it as {path: bytes} to be written later (checkpoint/async_save.py), not to disk."""
         self._check_expert_checkpoint()
         written = {}
-        with record_saves(self.engine, written):
+        with (snapshot_saves(self.engine, snapshot) if snapshot is not None else record_saves(self.engine, written)):
             # LoRA: the adapters only (the frozen base comes from the HF folder at start-up); ZeRO-2 would also
             # store the base's fragments unless told (deepspeed 0.19.8 engine.py:5301)
             self.engine.save_checkpoint(save_dir, tag=tag, client_state=client_state or {}, save_latest=save_latest,

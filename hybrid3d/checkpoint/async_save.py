@@ -1,0 +1,73 @@
+"""Asynchronous saves (`hybrid3d.checkpoint.async`): the step is held only while each rank copies its states; a
+background thread writes the files; the commit of checkpoint/commit.py follows once every rank's files are durable.
+
+At a save each rank serialises the files DeepSpeed's engine would write into memory (`ds_internals.durable_save.
+snapshot_saves`: the bytes `torch.save` writes, so the files are the same) and hands them to a `BackgroundWriter`,
+which writes and fsyncs them, in order, while training goes on. The ranks learn together whether every writer is
+done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done,
+their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a
+synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write
+leaves the previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM,
+Ctrl-C) and a non-finite stop first wait for it and commit it.
+
+The copy is one more copy of a rank's states in host memory while the write runs (torch serialises device tensors
+through host memory); a thread rather than a process writes, as the bytes are already in this process.
+"""
+
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Optional
+
+from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
+
+
+class BackgroundWriter:
+    """Writes {path: bytes} to disk on a thread of its own, each file fsync'ed (and its folder), in order."""
+
+    def __init__(self, files: dict):
+        self._files = files
+        self.written: dict = {}  # path -> bytes on disk, as each file is done
+        self.error: Optional[BaseException] = None
+        self.seconds = 0.0
+        self._thread = threading.Thread(target=self._write, name="hybrid3d-checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _write(self) -> None:
+        started = time.perf_counter()
+        try:
+            folders = set()
+            for path, data in self._files.items():
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                with open(path, "wb") as f:
+                    f.write(data)
+                self.written[path] = fsync_file(path)
+                folders.add(os.path.dirname(path))
+            for folder in folders:
+                fsync_dir(folder)
+        except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by `wait`
+            self.error = e
+        finally:
+            self._files = {}  # the copies go as soon as they are on disk
+            self.seconds = time.perf_counter() - started
+
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def wait(self) -> dict:
+        """Block until every file is written; {path: bytes}, or the writer's error raised here."""
+        self._thread.join()
+        if self.error is not None:
+            raise self.error
+        return self.written
+
+
+class InFlight:
+    """The save being written: its tag and step, the writer, and how long the step was held for the copy."""
+
+    def __init__(self, tag: str, step: int, writer: BackgroundWriter, held_seconds: float, copied_bytes: int,
+                 written_now: Optional[dict] = None):
+        self.tag, self.step, self.writer = tag, step, writer
+        self.held_seconds, self.copied_bytes = held_seconds, copied_bytes
+        self.written_now = written_now or {}  # files the save wrote at once ({path: bytes}: an expert rank's own)
