@@ -92,7 +92,8 @@ def plan_cases(world: int, models: list[str], cores: int) -> tuple[list[dict], l
                 names.append((name, row))
             cases.append(dict(world=world, model=model, budget_label=label, budget_gb=budget, chosen=row_key(d.chosen),
                               rows=[dict(name=n, label=row_label(r), key=row_key(r), predicted_s=r.step_seconds,
-                                         predicted_gb=r.memory_gb) for n, r in names],
+                                         predicted_gb=r.memory_gb, predicted_states_gb=r.states_gb,
+                                         predicted_activations_gb=r.activations_gb) for n, r in names],
                               lines=[line for line in _report(d)]))
     return cases, list(runs.values())
 
@@ -110,11 +111,13 @@ def measure(run: dict, steps: int, probe: bool) -> dict:
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.ds_internals.timeline import SavedActivationProbe
     from hybrid3d.parallel.spawn import end_run
+    from hybrid3d.training.console import deepspeed_prints
     from common import build_trainer_from_json
 
     gc.collect()
     shape = LlamaShape(**run["shape"])
-    trainer = build_trainer_from_json(json.loads(json.dumps(run["config"])), shape)
+    with deepspeed_prints(False):  # the pipeline's layer listing and topology, as the job holds them back
+        trainer = build_trainer_from_json(json.loads(json.dumps(run["config"])), shape)
     data = random_batches(shape.vocab_size, trainer.config.micro_batch_size, run["seq"], trainer.groups.data_shard()[0])
     trainer.train_step(data)  # the warm-up: Adam's moments are created at the first step
     result = {}
@@ -178,8 +181,11 @@ def summarise(case: dict, measured: dict) -> dict:
     for row in case["rows"]:
         ranks = measured[row["name"]]
         step = median([t for r in ranks for t in r["step_times"]])  # every rank times the same barriers
-        peak = max(r["states_bytes"] + r["activation_bytes"] for r in ranks) / GB
-        rows.append(dict(row, measured_s=step, measured_gb=peak, fits=peak <= case["budget_gb"]))
+        worst = max(ranks, key=lambda r: r["states_bytes"] + r["activation_bytes"])
+        peak = (worst["states_bytes"] + worst["activation_bytes"]) / GB
+        rows.append(dict(row, measured_s=step, measured_gb=peak, fits=peak <= case["budget_gb"],
+                         measured_states_gb=worst["states_bytes"] / GB,
+                         measured_activations_gb=worst["activation_bytes"] / GB))
     fitting = [r for r in rows if r["fits"]]
     chosen = next(r for r in rows if r["key"] == case["chosen"])
     fastest = min(fitting, key=lambda r: r["measured_s"]) if fitting else None
@@ -206,11 +212,14 @@ def markdown(cases: list[dict], env: dict, command: str) -> str:
     for c in cases:
         lines += ["", f"## world {c['world']}, {c['model']}, {c['budget_gb']:.4g} GB ({c['budget_label']})", "",
                   "```", *c["lines"], "```", "",
-                  "| row | predicted s | measured s | predicted GB | measured GB | fits |", "|---|---|---|---|---|---|"]
+                  "| row | predicted s | measured s | predicted GB (states + activations) | measured GB | fits |",
+                  "|---|---|---|---|---|---|"]
         for r in sorted(c["rows"], key=lambda r: r["measured_s"]):
             mark = " (auto)" if r["key"] == c["chosen"] else ""
             lines.append(f"| {r['label']}{mark} | {r['predicted_s']:.3f} | {r['measured_s']:.3f} | "
-                         f"{r['predicted_gb']:.4f} | {r['measured_gb']:.4f} | {'yes' if r['fits'] else 'no'} |")
+                         f"{r['predicted_gb']:.4f} ({r['predicted_states_gb']:.4f} + {r['predicted_activations_gb']:.4f}) "
+                         f"| {r['measured_gb']:.4f} ({r['measured_states_gb']:.4f} + {r['measured_activations_gb']:.4f}) "
+                         f"| {'yes' if r['fits'] else 'no'} |")
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,8 @@ The count starts from Korthikanti et al. 2022 ("Reducing Activation Recomputatio
 Models", §4, Eq. 1-2: sbh(34 + 5as/h) per GPT layer, sbh(10 + 24/t + 5as/(ht)) with TP) and is fitted,
 term by term, to the tensors this Llama saves, as counted by saved-tensor hooks in bf16
 (tests/distributed/test_sequence_parallel.py; the model and the count agree to the byte, up to
-scalars). Per decoder block, bf16 (2 bytes) unless marked fp32:
+scalars). Per decoder block, bf16 (2 bytes) unless marked fp32 (an fp32 run keeps the same tensors at 4 bytes: `lp`;
+each RMSNorm's upcast is then the input itself, still 4 bytes):
 
 - each of the two RMSNorms: its fp32 upcast of the input (4·s_c·b·h), its fp32 1/rms (4·s_c·b), the bf16
   normalised tensor the weight multiplies (2·s_c·b·h) and its output, which the next GEMM saves as its input
@@ -130,7 +131,7 @@ def attention_mask_kind(shape: LlamaShape, s: int, document_mask: bool) -> Optio
 
 def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True,
                                sequence_parallel: bool = False, cp: int = 1, mask: Optional[str] = None,
-                               comm: str = "a2a", cp_a2a: int = 1) -> float:
+                               comm: str = "a2a", cp_a2a: int = 1, lp: int = 2) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
     norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
     2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
@@ -140,23 +141,24 @@ def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_
     (`attention_mask_kind`) they are repeated to the query heads (2 x Q's bytes), and with documents RoPE's
     rows are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`.
     `comm`, `cp_a2a`: context_parallel_comm and context_parallel_a2a_size; a ring (`uses_ring`) keeps k_c =
-    `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring)."""
+    `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring). `lp`: bytes of
+    the compute dtype (2 bf16, 4 fp32: module docstring)."""
     h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
     ring = uses_ring(cp, comm)
-    norms = (16 * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
-    q = 2 * s_c * b * a * d / t
-    kv = 2 * q if mask and not ring else 2 * 2 * s_c * b * cp_kv_heads(shape, t, cp, comm, cp_a2a) * d
+    norms = (2 * (4 + 2 * lp) * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
+    q = lp * s_c * b * a * d / t
+    kv = 2 * q if mask and not ring else 2 * lp * s_c * b * cp_kv_heads(shape, t, cp, comm, cp_a2a) * d
     out = q * (2 if cp > 1 else 1)
-    swiglu = 4 * 2 * s_c * b * f / t
+    swiglu = 4 * lp * s_c * b * f / t
     fused = flash_attention or ring  # the ring's blocks: torch's fused kernel, which returns the log-sum-exp
     core = 4 * a * s * b / (t * cp) if fused else 2 * a * s * s * b / (t * cp)
     table = 8 * s if ring else 0  # the ring's int64 (c/u, u·s/c) table of every member's positions, per block
-    return norms + q + kv + out + swiglu + core + table + gathered_rope_bytes(shape, b, s, cp, mask, comm, cp_a2a)
+    return norms + q + kv + out + swiglu + core + table + gathered_rope_bytes(shape, b, s, cp, mask, comm, cp_a2a, lp)
 
 
 def gathered_rope_bytes(shape: LlamaShape, b: int, s: int, cp: int = 1, mask: Optional[str] = None,
-                        comm: str = "a2a", cp_a2a: int = 1) -> float:
+                        comm: str = "a2a", cp_a2a: int = 1, lp: int = 2) -> float:
     """RoPE's cos and sin a block keeps of its own, 2·2·n·d_h for the n rows it gathers from the shared tables:
     each token's position in its document (n = b·s), a ring rank's positions (n = u·s/c, times b with documents),
     none otherwise (the block keeps the shared tables themselves: `shared_rope_bytes`)."""
@@ -165,14 +167,15 @@ def gathered_rope_bytes(shape: LlamaShape, b: int, s: int, cp: int = 1, mask: Op
         rows = max(rows, 1) * ulysses_size(cp, comm, cp_a2a) * s // cp
     else:
         rows *= s
-    return 2 * 2 * rows * shape.head_dim
+    return 2 * lp * rows * shape.head_dim
 
 
-def shared_rope_bytes(shape: LlamaShape, s: int, cp: int = 1, mask: Optional[str] = None, comm: str = "a2a") -> float:
+def shared_rope_bytes(shape: LlamaShape, s: int, cp: int = 1, mask: Optional[str] = None, comm: str = "a2a",
+                      lp: int = 2) -> float:
     """RoPE's (s, d_h) cos and sin tables, 2·2·s·d_h once per rank (`model/rope.RotaryFrequencies`: every layer
     and micro-batch shares them), as the blocks that multiply by them whole keep them; blocks gathering rows
     (`gathered_rope_bytes`) keep only those."""
-    return 0 if mask == "documents" or uses_ring(cp, comm) else 2 * 2 * s * shape.head_dim
+    return 0 if mask == "documents" or uses_ring(cp, comm) else 2 * lp * s * shape.head_dim
 
 
 def input_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, cp: int = 1) -> float:
@@ -182,13 +185,13 @@ def input_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, cp: 
 
 
 def output_layer_activation_bytes(shape: LlamaShape, b: int, s: int, t: int, sequence_parallel: bool = False,
-                                  cp: int = 1) -> float:
+                                  cp: int = 1, lp: int = 2) -> float:
     """Last stage, per micro-batch: the final norm ((8·s_c·b·h + 4·s_c·b), /t with SP; its output is the
     head's saved input), the cross entropy's fp32 probabilities (4·s_c·b·V without TP, 4·s_c·b·V_p/t with
     TP, plus 2 bool masks) and the int64 targets 8·s_c·b. With the head and cross entropy in chunks
     (`shape.loss_chunk_tokens`) each token's fp32 log-sum-exp, 4·s_c·b, instead of its probabilities."""
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
-    norm = (8 * s_c * b * shape.hidden_size + 4 * s_c * b) / (t if sequence_parallel else 1)
+    norm = ((4 + 2 * lp) * s_c * b * shape.hidden_size + 4 * s_c * b) / (t if sequence_parallel else 1)
     if shape.loss_chunk_tokens:
         loss = 4 * s_c * b
     elif t == 1:
@@ -228,30 +231,31 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
                      checkpointing: bool = False, partition_activations: bool = False,
                      flash_attention: bool = True, sequence_parallel: bool = False, cp: int = 1,
                      schedule: str = "1f1b", virtual: int = 1, document_mask: bool = False, comm: str = "a2a",
-                     cp_a2a: int = 1) -> float:
+                     cp_a2a: int = 1, lp: int = 2) -> float:
     """Activation bytes of one rank: A_r of the module docstring. With the 1F1B `schedule` `stage` is the
     rank's stage, and A_r = in-flight micro-batches x (its layers' activations, or with checkpointing their
     inputs 2·s_c·b·h, /t with SP or partition_activations) + with checkpointing one layer being recomputed.
     With "interleaved" (`virtual` = v chunks per rank) or "dualpipev" `stage` is the pipeline rank r, and
     the rank's pass order weighs each of its stages σ by a_σ. `document_mask` (and a window shorter than s in
     `shape`): the shared attention masks of the module docstring, which a ring (`comm` "p2p" or "a2a+p2p",
-    `cp_a2a` = u) does not keep."""
+    `cp_a2a` = u) does not keep. `lp`: bytes of the compute dtype, 2 (bf16) or 4 (fp32)."""
     if sequence_parallel and partition_activations:
         raise ValueError("sequence_parallel and partition_activations exclude each other")
     mask = attention_mask_kind(shape, s, document_mask)
-    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm, cp_a2a)
+    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm, cp_a2a,
+                                           lp)
     shared = not uses_ring(cp, comm)  # a ring builds each block's mask when it runs it
     # once per rank: the (s, s) bf16 window mask and RoPE's shared tables
-    per_rank = (2 * s * s if mask == "window" and shared else 0) + shared_rope_bytes(shape, s, cp, mask, comm)
-    document_masks = 2 * b * s * s if mask == "documents" and shared else 0  # one per micro-batch: (b, 1, s, s) bf16
+    per_rank = (lp * s * s if mask == "window" and shared else 0) + shared_rope_bytes(shape, s, cp, mask, comm, lp)
+    document_masks = lp * b * s * s if mask == "documents" and shared else 0  # one per micro-batch: (b, 1, s, s)
     kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
     if checkpointing:
-        kept = 2 * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
+        kept = lp * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
         recompute = per_layer + document_masks  # the recomputed layer builds its micro-batch's mask again
     shared_per_micro_batch = 0 if checkpointing else document_masks
 
     def stage_bytes(sigma: int, stages: int) -> float:  # a_σ: what stage σ of `stages` keeps per micro-batch
-        extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp) if sigma == stages - 1 else 0.0
+        extra = output_layer_activation_bytes(shape, b, s, tp, sequence_parallel, cp, lp) if sigma == stages - 1 else 0.0
         if sigma == 0:
             extra += input_layer_activation_bytes(shape, b, s, tp, cp)
         layers = stage_layer_count(shape, stages, sigma)

@@ -350,7 +350,7 @@ def worst_rank_bytes(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, pr
         rank_states = _peak_states(shape, tp, pp, nd, zero, precision, rank, gas, bucket, pipeline_zero2, schedule, v)
         rank_acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing,
                                      sequence_parallel=sp, cp=cp, schedule=schedule, virtual=v, comm=comm,
-                                     cp_a2a=cp_a2a)
+                                     cp_a2a=cp_a2a, lp=compute_bytes(precision))
         if rank_states + rank_acts > states + acts:
             states, acts = rank_states, rank_acts
     return states, acts

@@ -12,7 +12,7 @@ accumulates on the host); the others keep the planner's precision (`planner.plan
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.activations import activation_bytes
-from hybrid3d.planning.memory import rank_model_states
+from hybrid3d.planning.memory import compute_bytes, rank_model_states
 from hybrid3d.planning.parameters import layer_parameter_numels, rank_parameter_numels
 from hybrid3d.planning.zero3_memory import live_parameter_bytes, offload_states, zero3_model_states
 
@@ -53,7 +53,8 @@ def worst_rank_placed(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, p
                                          gas) for r in dp_ranks), key=lambda p: p.device_bytes)
             device = placed.device_bytes
         acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing, sequence_parallel=sp,
-                                cp=cp, schedule=schedule, virtual=v, comm=comm, cp_a2a=cp_a2a)
+                                cp=cp, schedule=schedule, virtual=v, comm=comm, cp_a2a=cp_a2a,
+                                lp=compute_bytes(precision))
         if device + acts > worst[0] + worst[1]:
             worst = (device, acts, placed.host_bytes)
     return worst

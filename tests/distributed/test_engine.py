@@ -464,3 +464,23 @@ def test_auto_layout_matches_hf_over_five_steps(results, run):
     assert reports[0]["auto_lines"][0].startswith(f"auto: TP{tp} PP{pp} CP{cp} DP{dp}")
     assert_losses_and_weights_match(ref, reports, dict(run, pp=pp, zero=zero))
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
+
+
+@pytest.mark.parametrize("run", [r for r in matrix_runs() if r["zero"] == 1 and r["case"] == "gqa"],
+                         ids=lambda r: r["name"])
+def test_fp32_activations_match_the_memory_model(results, run):
+    """The activations autograd held at once in a step (every rank, fp32: the memory model's `lp` = 4) against
+    `planning.activations.activation_bytes`, the bf16 model's tensors at 4 bytes (test_sequence_parallel.py checks
+    bf16 term by term). The bound: the scalars autograd saves, which the model leaves out; at TP1 the last stage's
+    loss keeps 1,548 bytes more in fp32 than the model counts (0.5-1.4% of these steps; not yet explained), so the
+    TP1 rows hold to 1.5%."""
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.planning.activations import activation_bytes
+
+    shape = LlamaShape.from_hf(load_hf(results["model_dirs"][run["case"]]).config)
+    dp = run["world"] // (run["tp"] * run["pp"])
+    gas = 8 // (MICRO_BATCH * dp)  # engine_runs.GLOBAL_BATCH sequences a step
+    for report in results["runs"][run["name"]]:
+        model = activation_bytes(shape, MICRO_BATCH, SEQ, run["tp"], run["pp"], report["stage"], gas, lp=4)
+        bound = 64 if run["tp"] > 1 else 0.015 * model
+        assert abs(report["saved_peak"] - model) <= bound, (report["stage"], report["saved_peak"], model)
