@@ -32,7 +32,7 @@ sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this che
 from hybrid3d.training.quiet_start import hold_back_deepspeed_log  # noqa: E402
 
 hold_back_deepspeed_log(sys.argv)  # before DeepSpeed is imported, here and in the spawned ranks (same argv)
-from common import environment_markdown, int_list, median, random_batches, run_world, start_results, timed  # noqa
+from common import environment_markdown, int_list, median, random_batches, start_results, timed  # noqa
 
 from hybrid3d.model import LlamaShape  # noqa: E402
 from hybrid3d.planning.auto_layout import apply_choice, auto_keys, decide, read_request, row_label  # noqa: E402
@@ -110,7 +110,6 @@ def measure(run: dict, steps: int, probe: bool) -> dict:
 
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.ds_internals.timeline import SavedActivationProbe
-    from hybrid3d.parallel.spawn import end_run
     from hybrid3d.training.console import deepspeed_prints
     from common import build_trainer_from_json
 
@@ -129,29 +128,38 @@ def measure(run: dict, steps: int, probe: bool) -> dict:
         states.enabled = False
         result.update(states_bytes=states.peak().model_states, activation_bytes=activations.peak)
     result["step_times"] = [timed(lambda: trainer.train_step(data), dist.barrier) for _ in range(steps)]
-    del trainer, data
-    end_run()
+    del trainer, data  # the pool's end of call frees the engine, its groups and threads (parallel/spawn.end_run)
     return result
 
 
-def world_main(rank, world_size, runs, repeats, steps):
+def rank_main(rank, world_size, run, steps, probe):
+    """One configuration on one rank of the pooled world (a call of its own, so the pool retires a world whose ranks
+    gathered too many threads from earlier configurations: hybrid3d.parallel.spawn)."""
     from hybrid3d.training.console import hold_back_deprecated_alias_warnings, set_deepspeed_verbosity
 
     set_deepspeed_verbosity(False)
     hold_back_deprecated_alias_warnings()
+    return measure(run, steps, probe)
+
+
+def measure_all(world: int, runs: list[dict], repeats: int, steps: int, tmp: str) -> dict:
+    """{run name: [each rank's figures]}: every run once per repeat, in turn (round-robin), step times of all repeats
+    pooled; the bytes from the first repeat."""
+    from hybrid3d.parallel.spawn import WorldPool
+
     out, began, total = {}, time.perf_counter(), repeats * len(runs)
-    for repeat in range(repeats):
-        for index, run in enumerate(runs):
-            result = measure(run, steps, probe=repeat == 0)
-            kept = out.setdefault(run["name"], {**result, "step_times": [], "repeat_medians": []})
-            kept["step_times"] += result["step_times"]
-            kept["repeat_medians"].append(median(result["step_times"]))
-            if rank == 0:
+    with WorldPool() as pool:
+        for repeat in range(repeats):
+            for index, run in enumerate(runs):
+                ranks = pool.run(rank_main, world, os.path.join(tmp, "call"), run, steps, repeat == 0)
+                kept = out.setdefault(run["name"], [dict(r, step_times=[]) for r in ranks])
+                for mine, result in zip(kept, ranks):
+                    mine["step_times"] += result["step_times"]
                 done = repeat * len(runs) + index + 1
                 elapsed = time.perf_counter() - began
-                print(f"[world {world_size}: {done}/{total}] {run['label']} ({run['model']}, repeat {repeat + 1}): "
-                      f"{median(result['step_times']):.3f} s/step; ETA {elapsed / done * (total - done) / 60:.1f} min",
-                      flush=True)
+                print(f"[world {world}: {done}/{total}] {run['label']} ({run['model']}, repeat {repeat + 1}): "
+                      f"{median(ranks[0]['step_times']):.3f} s/step; ETA {elapsed / done * (total - done) / 60:.1f} "
+                      "min", flush=True)
     return out
 
 
@@ -228,7 +236,7 @@ def main(argv=None):
     parser.add_argument("--worlds", type=int_list, default=[4, 2])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=3, help="timed steps per row and repeat")
+    parser.add_argument("--steps", type=int, default=2, help="timed steps per row and repeat")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
     args = parser.parse_args(argv)
     models = [m for m in args.models.split(",") if m]
@@ -243,8 +251,7 @@ def main(argv=None):
         planned, runs = plan_cases(world, models, usable_cores())
         print(f"world {world}: {len(planned)} cases, {len(runs)} configurations x {args.repeats} repeats", flush=True)
         with tempfile.TemporaryDirectory() as tmp:
-            ranks = run_world(world_main, world, tmp, runs, args.repeats, args.steps)
-        measured = {name: [rank[name] for rank in ranks] for name in ranks[0]}
+            measured = measure_all(world, runs, args.repeats, args.steps, tmp)
         cases += [summarise(case, measured) for case in planned]
     with open(os.path.join(out_dir, "auto_layout.json"), "w") as f:
         json.dump(dict(command=command, environment=env, cases=cases), f, indent=1, default=str)

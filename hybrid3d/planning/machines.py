@@ -10,7 +10,9 @@ CPU (gloo ranks sharing the cores): the figures `benchmarks/step_time_check.py` 
 114.0 GFLOP/s, 48.6 and 57.0 a core), a rank getting its share of the cores; TP all-reduces through DeepSpeed's
 shared-memory kernel where the TP group is the whole world (fp32 5.79 GB/s bus bandwidth, 0.01 ms a message) and
 through gloo otherwise (1.03 GB/s, 1.55 ms; bf16 0.87 GB/s, 1.02 ms: fitted over 2 of 4 ranks); DP's bucket
-all-reduce through gloo (0.92-1.23 GB/s: 1.0); copy bandwidth 13.0-14.1 GB/s a rank. No reserve: the budget caps
+all-reduce through gloo (0.92-1.23 GB/s: 1.0); copy bandwidth 13.0-14.1 GB/s a rank. The shared-memory figures were
+measured with no more ranks than cores; with more, its ranks wait for partners the OS has descheduled (TP4 on 2
+cores measured 0.68-1.9 s a step against 0.56 for DP4: benchmarks/auto_layout.py), so there gloo's figures are used. No reserve: the budget caps
 the model states and activations the memory model counts (the engine's tensors, as benchmarks measure them), not
 the process's libraries. Offload moves nothing on the CPU (the host is the device), so CPU rows never offload.
 """
@@ -34,7 +36,7 @@ def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Clu
     return Cluster(gpus=world, gpu_memory_gb=budget_gb, gpus_per_node=world, reserve_gb=0.0,
                    peak_tflops=rank_gflops / 1e3, efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
                    memory_gbps=CPU_COPY_GBPS, latency_us=latency, dp_gbps=CPU_GLOO_DP_GBPS,
-                   shared_cores=cores, whole_world_tp=CPU_SHM_TP)
+                   shared_cores=cores, whole_world_tp=CPU_SHM_TP if world <= cores else None)
 
 
 def host_memory_gb() -> Optional[float]:
