@@ -74,18 +74,20 @@ class CheckpointSaver:
         self._commit(tag, step, mine)
         return self.save_dir / tag
 
-    def _commit(self, tag: str, step: int, mine: dict, error: Optional[str] = None) -> None:
-        """Every rank: gather what each wrote (or why it could not), rank 0 commits and prunes."""
+    def _commit(self, tag: str, step: int, mine: dict, error: Optional[str] = None, seconds: float = 0.0) -> float:
+        """Every rank: gather what each wrote (or why it could not), rank 0 commits and prunes; the longest of the
+        ranks' `seconds` (an asynchronous save's background write)."""
         written = [None] * dist.get_world_size()
-        dist.all_gather_object(written, (mine, error))  # also the barrier: every rank's files are on disk
-        failed = next(((rank, e) for rank, (_, e) in enumerate(written) if e is not None), None)
+        dist.all_gather_object(written, (mine, error, seconds))  # also the barrier: every rank's files are on disk
+        failed = next(((rank, e) for rank, (_, e, _) in enumerate(written) if e is not None), None)
         if failed is not None:
             message = f"checkpoint {tag}: rank {failed[0]} could not write its files ({failed[1]}); not committed"
             raise CheckpointError(message) if self.is_rank0 else ReportedError(message)
         if self.is_rank0:
-            commit(self.save_dir, tag, {path: size for files, _ in written for path, size in files.items()})
+            commit(self.save_dir, tag, {path: size for files, _, _ in written for path, size in files.items()})
             prune_checkpoints(self.save_dir, self.keep_last, step)
         dist.barrier()
+        return max(s for _, _, s in written)
 
     def poll(self) -> Optional[dict]:
         """Every rank, at the same step: commit the save in flight if every rank's writer is done (one all-reduce
@@ -108,11 +110,9 @@ class CheckpointSaver:
             mine.update(flight.writer.wait())
         except OSError as e:
             error = str(e)
-        seconds = [0.0] * dist.get_world_size()
-        dist.all_gather_object(seconds, flight.writer.seconds)
-        self._commit(flight.tag, flight.step, mine, error)
+        write_seconds = self._commit(flight.tag, flight.step, mine, error, flight.writer.seconds)
         return {"checkpoint": flight.tag, "step": flight.step, "held_s": flight.held_seconds,
-                "write_s": max(seconds), "copied_bytes": flight.copied_bytes}
+                "write_s": write_seconds, "copied_bytes": flight.copied_bytes}
 
 
 def verify_archives(tag_dir: Path, meta: dict, rank: int, world_size: int) -> None:

@@ -91,11 +91,16 @@ class Request:
     bucket: int = DEFAULT_REDUCE_BUCKET  # zero_optimization.reduce_bucket_size (elements)
 
 
+def open_fields(keys: list[str]) -> set:
+    """The Choice fields the "auto" `keys` leave to the planner (field names, not config keys)."""
+    return {HYBRID_KEYS.get(k.removeprefix(f"{SECTION}."), DS_KEYS.get(k)) for k in keys}
+
+
 def read_request(raw: dict, keys: list[str]) -> Request:
     """The planner's question from a config with "auto" `keys` (`auto_keys`). Raises one line for what the search
     cannot model: a config "auto" needs to be comparable across layouts, or keys that exclude each other."""
     section = raw.get(SECTION, {})
-    fields = {HYBRID_KEYS.get(k.removeprefix(f"{SECTION}."), DS_KEYS.get(k)) for k in keys}
+    fields = open_fields(keys)
     fixed = {field: section.get(key, HYBRID_DEFAULTS.get(field)) for key, field in HYBRID_KEYS.items()
              if field not in fields}
     fixed.update({field: _ds_value(raw, key) for key, field in DS_KEYS.items()
@@ -243,8 +248,8 @@ def apply_choice(raw: dict, c: Choice, keys: list[str]) -> dict:
     out = copy.deepcopy(raw)
     section = out.setdefault(SECTION, {})
     section.pop("layout", None)
-    decided = {HYBRID_KEYS.get(k.removeprefix(f"{SECTION}."), DS_KEYS.get(k)) for k in keys}
-    if "micro_batch" in decided or "gas" in decided:
+    decided = open_fields(keys)
+    if "micro_batch" in decided or "gas" in decided:  # DeepSpeed derives the other: both are written
         decided |= {"micro_batch", "gas"}
     for key, field in HYBRID_KEYS.items():
         if field in decided:

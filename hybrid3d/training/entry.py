@@ -33,7 +33,7 @@ from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
 from hybrid3d.training.auto_start import resolve_auto
 from hybrid3d.training.model_source import ModelSource, resolve_model
 from hybrid3d.training.output_folder import check_output_folder
-from hybrid3d.training.validation import ValidRun, run_shape, validate_run
+from hybrid3d.training.validation import ValidRun, validate_run
 
 
 def parse_args(argv):
@@ -104,7 +104,7 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
     on_cpu = get_accelerator().device_name() == "cpu"
     auto_lines = []
     if keys:  # the planner decides, then the one validation pass checks the config it wrote (training/auto_start.py)
-        raw, auto_lines = resolve_auto(raw, keys, hybrid, run_shape(shape, hybrid), world_size, on_cpu)
+        raw, auto_lines = resolve_auto(raw, shape, world_size, on_cpu)
         hybrid = parse_hybrid_section(raw)
     run = validate_run(raw, world_size, shape, on_cpu=on_cpu, hybrid=hybrid)
     layout, shape = run.layout, run.shape

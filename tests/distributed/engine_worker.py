@@ -106,10 +106,7 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
 def decide_auto(config: dict, auto: dict, shape, world_size: int) -> tuple[dict, list[str]]:
     """`config` with the hybrid3d keys of `auto` ("auto" values, `layout`, `device_memory_gb`) written in, the
     micro-batch and ZeRO stage left to "auto" when `layout` is, then decided (training/auto_start.py)."""
-    from hybrid3d.config.sections import parse_hybrid_section
-    from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
     from hybrid3d.training.auto_start import resolve_auto
-    from hybrid3d.training.validation import run_shape
 
     if auto.get("layout") == "auto":  # what the run's dict does not give is left open
         for key in ("tensor_parallel_size", "pipeline_parallel_size"):
@@ -117,9 +114,7 @@ def decide_auto(config: dict, auto: dict, shape, world_size: int) -> tuple[dict,
         config.pop("train_micro_batch_size_per_gpu")
         config["zero_optimization"].pop("stage")
     config["hybrid3d"].update(auto)
-    keys = auto_keys(config)
-    hybrid = parse_hybrid_section(placeholder_config(config))
-    return resolve_auto(config, keys, hybrid, run_shape(shape, hybrid), world_size, on_cpu=True)
+    return resolve_auto(config, shape, world_size, on_cpu=True)
 
 
 def train_runs(rank, world_size, runs, model_dirs, save_root: str = ""):

@@ -7,15 +7,13 @@ import json
 import pytest
 
 from hybrid3d.config.overrides import apply_overrides
-from hybrid3d.config.sections import parse_hybrid_section
 
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
 from hybrid3d.training.auto_start import resolve_auto
 from hybrid3d.training.entry import main
-from hybrid3d.training.validation import run_shape, validate_run
+from hybrid3d.training.validation import validate_run
 from tests.configs import h, write_config
 from tests.launcher.harness import REPO
 from hybrid3d.model.tp_plan import check_split
@@ -229,10 +227,7 @@ def test_shipped_config_is_valid(name, world):
     for key, value in raw["hybrid3d"]["model"].get("config_overrides", {}).items():
         setattr(config, key, value)
     shape = LlamaShape.from_hf(config)
-    keys = auto_keys(raw)
-    if keys:  # decided as launch/train.py decides, on the CPU (cpu_auto.json)
-        hybrid = parse_hybrid_section(placeholder_config(raw))
-        raw, _ = resolve_auto(raw, keys, hybrid, run_shape(shape, hybrid), world, on_cpu=True)
+    raw, _ = resolve_auto(raw, shape, world, on_cpu=True)  # "auto" decided as launch/train.py does (cpu_auto.json)
     run = validate_run(raw, world, shape, on_cpu=False)  # every check a trainer's build relies on
     parsed, layout = run.config, run.layout
     ds = parsed.ds_config
