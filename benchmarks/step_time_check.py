@@ -18,13 +18,16 @@ not assumed:
 - DP: the bus bandwidth of one DP reduce bucket over groups of g = d ranks, through gloo as ZeRO reduces it.
 - memory bandwidth: each rank of a spawned world of each size copies a 64 MiB fp32 tensor while the others do
   (read + write bytes / time, median of 10), for the optimizer part.
+- framework (`--machine`): one rank on one core times its step at micro-batches of 1 and 4 sequences and 1 and 8
+  micro-batches a step (`framework_line`); the line through what one more micro-batch costs gives a core's compute
+  rate and the seconds a micro-batch costs whatever its size (Python, autograd, DeepSpeed's hooks), at ZeRO-0 and 3.
 The planner's own parts (compute, bubble, TP, DP, pipeline traffic, the optimizer's memory traffic) are then
-summed; Python/framework time is left out. One property of this machine the planner (one GPU a rank) has no
-term for: with more ranks than cores, ranks share cores, so while a pipeline bubble idles some ranks the busy
-ones run faster. In a 1F1B bubble of p stages one stage's w/p ranks run; on C cores each gets min(1, C·p/w) of a
-core instead of C/w, so the bubble is scaled by (min(C, w)/w) / min(1, C·p/w) here (0.5 at w = 4, p = 2, C = 2).
+summed; the framework part is left out of the comparison with vs_peers (its rows predate it). With more ranks than
+cores, ranks share cores, so a rank that waits in a pipeline bubble lends its core to the others: the planner's
+shared-core bubble (`step_time.shared_core_bubble`).
 
     python benchmarks/step_time_check.py benchmarks/results/2026-12-01-vm/vs_peers.json
+    python benchmarks/step_time_check.py --machine      # the figures planning/machines.py takes, on this machine
 """
 
 import argparse
@@ -40,14 +43,13 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]
-from common import environment, environment_markdown, run_world  # noqa: E402
+from common import environment, environment_markdown, random_batches, run_world  # noqa: E402
 from vs_peers import LAYOUTS, MODEL, REDUCE_BUCKET  # noqa: E402
 
 from hybrid3d.model import LlamaShape  # noqa: E402
 from hybrid3d.planning.flops import training_flops_per_token  # noqa: E402
 from hybrid3d.planning.memory import GB  # noqa: E402
 from hybrid3d.planning.planner import Cluster, estimate_step_time  # noqa: E402
-from hybrid3d.planning.step_time import shared_core_bubble  # noqa: E402
 from hybrid3d.planning.traffic import tp_messages  # noqa: E402
 
 
@@ -148,10 +150,112 @@ def copy_bandwidth(rank, world_size, numel: int, repeats: int) -> float:
     return 2 * numel * 4 / statistics.median(times)
 
 
+FRAMEWORK_MODEL = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4,
+                       num_kv_heads=2, head_dim=32)  # the dense GQA shape of benchmarks/auto_layout.py
+FRAMEWORK_SEQ = 128
+
+
+FRAMEWORK_SIZES = ((1, 1), (1, 8), (4, 1), (4, 8))  # (micro-batch, gas) of framework_line
+
+
+def framework_line(rank, world_size, zero: int, repeats: int) -> dict:
+    """One rank on one core (a world of 1): the training step of hybrid3d's plain engine (fp32, ZeRO `zero`) at
+    micro-batches of b = 1 and 4 sequences and gas g = 1 and 8, the four in turn for `repeats` rounds, medians. A
+    micro-batch costs tau(b) = (t(b, 8) - t(b, 1)) / 7 (the step's fixed part, the optimizer's included, cancels)
+    = alpha + beta * b: alpha the framework's seconds per micro-batch whatever its size (Python, autograd and
+    DeepSpeed's hooks: what the planner's FLOP count leaves out), beta a sequence's compute."""
+    from common import build_trainer_from_json
+
+    from hybrid3d.training.console import deepspeed_prints, set_deepspeed_verbosity
+
+    set_deepspeed_verbosity(False)
+    torch.set_num_threads(1)
+    shape = LlamaShape(**FRAMEWORK_MODEL)
+    trainers, times = {}, {size: [] for size in FRAMEWORK_SIZES}
+    for micro, gas in FRAMEWORK_SIZES:
+        raw = {"train_batch_size": micro * gas, "train_micro_batch_size_per_gpu": micro,
+               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}},
+               "zero_optimization": {"stage": zero}, "steps_per_print": 10**9,
+               "hybrid3d": {"data": {"seq_length": FRAMEWORK_SEQ}}}
+        with deepspeed_prints(False):
+            trainer = build_trainer_from_json(raw, shape)
+        data = random_batches(shape.vocab_size, micro, FRAMEWORK_SEQ, 0)
+        trainer.train_step(data)  # the warm-up: Adam's moments are created at the first step
+        trainers[micro, gas] = (trainer, data)
+    for _ in range(repeats):
+        for size, (trainer, data) in trainers.items():
+            start = time.perf_counter()
+            trainer.train_step(data)
+            times[size].append(time.perf_counter() - start)
+    step = {size: statistics.median(t) for size, t in times.items()}
+    tau = {b: (step[b, 8] - step[b, 1]) / 7 for b in (1, 4)}
+    beta = (tau[4] - tau[1]) / 3
+    return {"alpha_s": tau[1] - beta, "beta_s": beta, "step_s": {f"{b}x{g}": t for (b, g), t in step.items()}}
+
+
+MACHINE_WORLDS = ((2, 2), (4, 2), (4, 4))  # (world, group size) of the machine's all-reduce figures
+MACHINE_TP_NUMEL = 2 * 128 * 256  # fp32 elements of vs_peers' TP message (micro-batch 2, 128 tokens, hidden 256)
+
+
+def machine_main(out_root: str, repeats: int) -> None:
+    """--machine: the figures `hybrid3d.planning.machines` takes for the CPU, measured on this machine alone (no
+    vs_peers rows): the TP all-reduce's Hockney fit (shared memory where the group is the world, gloo otherwise),
+    DP's bucket bandwidth through gloo, a rank's copy bandwidth, and the framework line of ZeRO-0 and ZeRO-3
+    (`framework_line`): a core's fp32 rate (FLOPs of a sequence / beta), the framework's seconds per decoder layer
+    and micro-batch (alpha / layers) and what ZeRO-3's hooks add to them."""
+    from common import start_results
+
+    command, out_dir, env = start_results("step_time_check.py", None, out_root)
+    sizes = [MACHINE_TP_NUMEL // 2, MACHINE_TP_NUMEL, 16 * MACHINE_TP_NUMEL // 2, 16 * MACHINE_TP_NUMEL]
+    figures = {"tp": {}, "dp_bucket_gbps": {}, "copy_gbps": {}, "framework": {}}
+    with tempfile.TemporaryDirectory() as tmp:
+        for world, g in MACHINE_WORLDS:
+            t = run_world(all_reduce_seconds, world, os.path.join(tmp, f"tp{world}-{g}"), g, sizes, repeats, True)[0]
+            for k, precision in enumerate(("bf16", "fp32")):
+                alpha, bus = latency_and_bandwidth(g, (sizes[k] * 4, t[k]), (sizes[k + 2] * 4, t[k + 2]))
+                figures["tp"][f"{precision} {g} of {world}"] = {"latency_us": alpha * 1e6, "gbps": bus / GB}
+            bucket = run_world(all_reduce_seconds, world, os.path.join(tmp, f"dp{world}-{g}"), g, [4_000_000],
+                               repeats, False)[0][0]
+            figures["dp_bucket_gbps"][f"{g} of {world}"] = 2 * (g - 1) / g * 4_000_000 * 4 / bucket / GB
+        for world in sorted({w for w, _ in MACHINE_WORLDS}):
+            figures["copy_gbps"][world] = statistics.median(
+                run_world(copy_bandwidth, world, os.path.join(tmp, f"mem{world}"), 16 * 2**20, repeats)) / GB
+        shape = LlamaShape(**FRAMEWORK_MODEL)
+        sequence_flops = FRAMEWORK_SEQ * training_flops_per_token(shape, FRAMEWORK_SEQ)
+        for zero in (0, 3):
+            line = run_world(framework_line, 1, os.path.join(tmp, f"framework{zero}"), zero, repeats)[0]
+            figures["framework"][f"zero{zero}"] = dict(line, alpha_s_per_layer=line["alpha_s"] / shape.num_layers,
+                                                       core_gflops=sequence_flops / line["beta_s"] / 1e9)
+    lines = ["| figure | value |", "|---|---|"]
+    for name, fit in figures["tp"].items():
+        lines.append(f"| TP all-reduce, {name} ranks | {fit['latency_us'] / 1e3:.2f} ms + bytes at {fit['gbps']:.2f} GB/s |")
+    lines += [f"| DP bucket all-reduce (gloo), {k} ranks | {v:.2f} GB/s |" for k, v in figures["dp_bucket_gbps"].items()]
+    lines += [f"| copy bandwidth a rank, {k} ranks copying | {v:.1f} GB/s |" for k, v in figures["copy_gbps"].items()]
+    for zero, f in figures["framework"].items():
+        lines.append(f"| {zero}: framework per decoder layer and micro-batch (one core) | "
+                     f"{f['alpha_s_per_layer'] * 1e3:.2f} ms |")
+        lines.append(f"| {zero}: fp32 compute rate of a core (hybrid3d's engine) | {f['core_gflops']:.1f} GFLOP/s |")
+    text = "\n".join(["# The CPU figures of the planner's machine (planning/machines.py)", "",
+                       environment_markdown(env, command), "", *lines, ""])
+    with open(os.path.join(out_dir, "machine.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "machine.json"), "w") as f:
+        json.dump({"command": command, "environment": env, "figures": figures}, f, indent=1)
+    print(text)
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("vs_peers_json", help="vs_peers.json written by benchmarks/vs_peers.py")
+    parser.add_argument("vs_peers_json", nargs="?", help="vs_peers.json written by benchmarks/vs_peers.py")
+    parser.add_argument("--machine", action="store_true",
+                        help="measure only the CPU figures planning/machines.py takes (machine.md, machine.json)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"), help="results root for --machine")
+    parser.add_argument("--repeats", type=int, default=10, help="repeats of each --machine measurement")
     args = parser.parse_args(argv)
+    if args.machine:
+        return machine_main(args.out, args.repeats)
+    if args.vs_peers_json is None:
+        parser.exit(2, "error: give vs_peers.json, or --machine\n")
     if not os.path.isfile(args.vs_peers_json):
         parser.exit(2, f"error: {args.vs_peers_json} does not exist\n")
     with open(args.vs_peers_json) as f:
@@ -207,11 +311,12 @@ def main(argv=None):
                                   ("dp", bucket.get((world, dp), 1e30) / GB, 0.0)):
             cluster = Cluster(gpus=world, gpu_memory_gb=24, gpus_per_node=world, peak_tflops=rank_rate / 1e12,
                               efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
-                              memory_gbps=memory[world] / GB, latency_us=alpha)
+                              memory_gbps=memory[world] / GB, latency_us=alpha,
+                              shared_cores=cores if world > cores else None)
             parts[kind] = estimate_step_time(shape, cluster, tp, pp, dp, 1, micro, global_batch // (micro * dp), seq,
                                              precision)
         small, reduce = parts["tp"], parts["dp"]
-        return dataclasses.replace(small, dp=reduce.dp, bubble=small.bubble * shared_core_bubble(world, pp, cores))
+        return dataclasses.replace(small, dp=reduce.dp)
 
     # TP latency as a step meets it: the layout's message after as much compute as the step does per TP message
     requests = {}  # world -> [(row index, (group size, fp32 elements, GEMMs between messages))]

@@ -5,27 +5,32 @@ GPUs: the peak bf16 rate of the device table (`flops.peak_tflops`, or `train.pea
 datasheet defaults (NVLink-class 200 GB/s inside a node, 25 GB/s a GPU across nodes, HBM3 3.35 TB/s, PCIe 5.0
 x16 to the host), the planner's 3 GB reserve (CUDA context, NCCL, fragmentation), host memory from /proc/meminfo.
 
-CPU (gloo ranks sharing the cores): the figures `benchmarks/step_time_check.py` measured on a 2-core AMD EPYC VM
-(benchmarks/results/2026-12-04-vm/step_time.md): the compute rate of plain PyTorch on all cores (fp32 97.1, bf16
-114.0 GFLOP/s, 48.6 and 57.0 a core), a rank getting its share of the cores; TP all-reduces through DeepSpeed's
-shared-memory kernel where the TP group is the whole world (fp32 5.79 GB/s bus bandwidth, 0.01 ms a message) and
-through gloo otherwise (1.03 GB/s, 1.55 ms; bf16 0.87 GB/s, 1.02 ms: fitted over 2 of 4 ranks); DP's bucket
-all-reduce through gloo (0.92-1.23 GB/s: 1.0); copy bandwidth 13.0-14.1 GB/s a rank. The shared-memory figures were
-measured with no more ranks than cores; with more, its ranks wait for partners the OS has descheduled (TP4 on 2
-cores measured 0.68-1.9 s a step against 0.56 for DP4: benchmarks/auto_layout.py), so there gloo's figures are used. No reserve: the budget caps
-the model states and activations the memory model counts (the engine's tensors, as benchmarks measure them), not
-the process's libraries. Offload moves nothing on the CPU (the host is the device), so CPU rows never offload.
+CPU (gloo ranks sharing the cores): the figures `benchmarks/step_time_check.py --machine` measured on a 2-core AMD EPYC
+VM (benchmarks/results/2026-12-05-vm/machine.md): a core's fp32 rate in hybrid3d's engine, 22.1 GFLOP/s (bf16 at the
+1.17x of fp32 plain PyTorch measured on 2026-12-04, benchmarks/results/2026-12-04-vm/step_time.md), a rank getting
+its share of the cores; the framework's 2.69 ms of a core per decoder layer and micro-batch, and 12.5 ms more for
+ZeRO-3's hooks; TP all-reduces through DeepSpeed's shared-memory kernel where the TP group is the whole world (fp32
+1.48 GB/s bus bandwidth and no latency with a core a rank, 1.16 GB/s and 4.14 ms a message at 4 ranks on 2 cores,
+where its ranks wait for partners the OS has descheduled) and through gloo otherwise (fp32 0.71 GB/s, 1.22 ms; bf16
+0.75 GB/s, 1.42 ms: fitted over 2 of 4 ranks), gloo's latency also that of ZeRO-3's gathers and Ulysses'
+all-to-alls; DP's bucket all-reduce through gloo (0.68-0.97 GB/s: 0.7); copy bandwidth 8.3 GB/s a rank with 2 ranks
+copying, 4.6 with 4. No reserve: the budget caps the model states and activations the memory model counts (the
+engine's tensors, as benchmarks measure them), not the process's libraries. Offload moves nothing on the CPU (the
+host is the device), so CPU rows never offload.
 """
 
 from typing import Optional
 
 from hybrid3d.planning.step_time import Cluster
 
-CPU_GFLOPS_PER_CORE = {"fp32": 97.1 / 2, "bf16": 114.0 / 2}  # plain PyTorch, 2 cores (module docstring)
-CPU_SHM_TP = (5.79, 10.0)  # (GB/s, µs) of a TP all-reduce over the whole world (DeepSpeed's shared-memory kernel)
-CPU_GLOO_TP = {"fp32": (1.03, 1550.0), "bf16": (0.87, 1020.0)}  # (GB/s, µs) through gloo, a group inside the world
-CPU_GLOO_DP_GBPS = 1.0  # ZeRO's bucket all-reduce through gloo
-CPU_COPY_GBPS = 13.0  # memory bandwidth a rank sees while the others copy too
+CPU_GFLOPS_PER_CORE = {"fp32": 22.1, "bf16": 22.1 * 114.0 / 97.1}  # hybrid3d's engine on one core (docstring)
+CPU_FRAMEWORK_S_PER_LAYER = 2.69e-3  # a core's seconds per decoder layer and micro-batch beyond the FLOPs
+CPU_ZERO3_HOOKS_S_PER_LAYER = 15.15e-3 - 2.69e-3  # what ZeRO-3's parameter hooks add to it
+# (GB/s, µs) of a TP all-reduce over the whole world (DeepSpeed's shared-memory kernel): a core a rank, more ranks
+CPU_SHM_TP = {"a core a rank": (1.48, 0.0), "cores shared": (1.16, 4140.0)}
+CPU_GLOO_TP = {"fp32": (0.71, 1220.0), "bf16": (0.75, 1420.0)}  # (GB/s, µs) through gloo, a group inside the world
+CPU_GLOO_DP_GBPS = 0.7  # ZeRO's bucket all-reduce through gloo
+CPU_COPY_GBPS = {"a core a rank": 8.3, "cores shared": 4.6}  # memory bandwidth a rank sees while the others copy too
 
 
 def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Cluster:
@@ -33,10 +38,13 @@ def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Clu
     lp = "fp32" if precision == "fp32" else "bf16"
     gbps, latency = CPU_GLOO_TP[lp]
     rank_gflops = CPU_GFLOPS_PER_CORE[lp] * cores / world  # each rank gets its share of the cores
+    sharing = "cores shared" if world > cores else "a core a rank"
     return Cluster(gpus=world, gpu_memory_gb=budget_gb, gpus_per_node=world, reserve_gb=0.0,
                    peak_tflops=rank_gflops / 1e3, efficiency=1.0, intra_node_gbps=gbps, inter_node_gbps=gbps,
-                   memory_gbps=CPU_COPY_GBPS, latency_us=latency, dp_gbps=CPU_GLOO_DP_GBPS,
-                   shared_cores=cores, whole_world_tp=CPU_SHM_TP if world <= cores else None)
+                   memory_gbps=CPU_COPY_GBPS[sharing], latency_us=latency, dp_gbps=CPU_GLOO_DP_GBPS,
+                   shared_cores=cores, whole_world_tp=CPU_SHM_TP[sharing],
+                   framework_s_per_layer=CPU_FRAMEWORK_S_PER_LAYER,
+                   zero3_hooks_s_per_layer=CPU_ZERO3_HOOKS_S_PER_LAYER)
 
 
 def host_memory_gb() -> Optional[float]:

@@ -6,8 +6,16 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                step (`pipeline_schedules.ideal_bubble`), slots = m/(1 - f) the step's length in micro-batch
                slots (`pipeline_slots`): 1F1B f = (p-1)/(m+p-1), slots m + p - 1, bubble compute·(p-1)/m;
                interleaved 1F1B f = (p-1)/(v·m+p-1), slots m + (p-1)/v, bubble compute·(p-1)/(v·m)
-               (Narayanan et al. 2021, §2.2.2); DualPipeV f from a timed run of its orders; CPU ranks sharing
-               cores lend the idle ones' to the busy (`shared_core_bubble`, `Cluster.shared_cores`)
+               (Narayanan et al. 2021, §2.2.2); DualPipeV f from a timed run of its orders. CPU ranks sharing
+               C cores (`Cluster.shared_cores`, w > C ranks): a waiting rank gives its core to the others, so a
+               step takes the longer of the work of all ranks over the cores (compute) and the schedule's
+               critical path at one core a rank (slots · compute/m · C/w): the bubble is what the second exceeds
+               the first by (`shared_core_bubble`), none where each stage's ranks can fill the cores
+    framework = m · the busiest rank's decoder layers · (Python, autograd and DeepSpeed's per-module hooks per layer
+               and micro-batch: `Cluster.framework_s_per_layer`, + `Cluster.zero3_hooks_s_per_layer` at ZeRO-3)
+               · w/C where w ranks share C cores (4/3 with recomputation): seconds a micro-batch costs whatever its
+               size, which FLOPs leave out. benchmarks/step_time_check.py measures them on one core (its
+               `framework_line`); 0 on GPUs, where the host issues kernels ahead of the device
     tp comm  = ring bus bytes of the logged TP collectives / intra-node bandwidth (not overlapped):
                all-reduce n -> 2n(t-1)/t, reduce-scatter n -> n(t-1)/t, all-gather of shard m -> m(t-1)
                (`traffic.tp_bus_bytes`; with SP the reduce-scatters and all-gathers of `tp_bytes_by_op`)
@@ -16,7 +24,8 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                CPU shared by its ranks are milliseconds, benchmarks/step_time_check.py measures them; on the CPU a
                TP group that is the whole world takes the shared-memory kernel's, `Cluster.whole_world_tp`)
     cp comm  = logged all-to-all bytes · (u-1)/u / intra-node bandwidth (`traffic.cp_bytes_per_step`), over the
-               u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p")
+               u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p"), + its all-to-alls
+               (`traffic.cp_messages_per_step`) · the latency of one collective (`Cluster.latency_us`)
                + with a ring ("p2p", "a2a+p2p"): ring bytes per layer (`traffic.ring_bytes_per_layer`: forward
                + backward, the forward again with checkpointing) · the busiest rank's layers · m / the ring's
                link (`Cluster.ring_gbps`: intra-node when a CP group fits a node, else inter-node)
@@ -31,7 +40,9 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                (a handful of FLOPs per 28-36 bytes moved): about 1% of a 7B step on H100s, several percent on CPUs.
     ZeRO-3 (p = 1): dp comm = m · 3 · lp·Ψ · (n-1)/n / bandwidth instead: each micro-batch all-gathers the weights
                for its forward and again for its backward and reduce-scatters the gradients (Rajbhandari et al.
-               2020, §7.2.1: 1.5x ZeRO-1/2's volume), counted as not overlapped, though DeepSpeed prefetches.
+               2020, §7.2.1: 1.5x ZeRO-1/2's volume), counted as not overlapped, though DeepSpeed prefetches;
+               + m · 2 gathers of each partitioned parameter (larger than stage3_param_persistence_threshold)
+               · the latency of one collective (`Cluster.latency_us`).
     offload  = with offload_optimizer the step runs on the host: its partition (Ψ/n elements) / the host's Adam
                rate (`Cluster.host_adam_gelems`) + the partition's lp gradients down and lp weights up the host
                link (2·lp·Ψ/n / `Cluster.pcie_gbps`); with offload_param each micro-batch's forward and backward
@@ -72,8 +83,10 @@ from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
 from hybrid3d.planning.activations import rank_stages, stage_layer_count, ulysses_size, uses_ring
 from hybrid3d.planning.flops import training_flops_per_token
 from hybrid3d.planning.memory import GB, TORCH, UNFUSED, optimizer_wrapper, stage_parameter_numels
+from hybrid3d.planning.zero3_memory import DEFAULT_PERSISTENCE_THRESHOLD
 from hybrid3d.planning.traffic import (
     cp_bytes_per_step,
+    cp_messages_per_step,
     dp_bytes_per_step,
     pp_boundary_bytes,
     pp_gather_bytes_per_step,
@@ -111,6 +124,11 @@ class Cluster:
     # (GB/s, µs) of a TP all-reduce whose group is the whole world where it differs from the link's: on the CPU
     # DeepSpeed's shared-memory kernel serves that group only (ds_internals/shm_all_reduce.py); None: the link's
     whole_world_tp: Optional[tuple] = None
+    # Seconds of one core a decoder layer's forward + backward costs a micro-batch beyond its FLOPs (Python, autograd,
+    # DeepSpeed's hooks), and what ZeRO-3's parameter hooks add to it: measured on the CPU (planning/machines.py);
+    # 0 on GPUs, where they overlap the device's work (module docstring, framework)
+    framework_s_per_layer: float = 0.0
+    zero3_hooks_s_per_layer: float = 0.0
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -136,10 +154,13 @@ class Cluster:
         return self.inter_node_gbps if crosses else self.intra_node_gbps
 
 
-def shared_core_bubble(world: int, pp: int, cores: int) -> float:
-    """The factor a 1F1B bubble takes when `world` ranks share `cores`: in a bubble of p stages one stage's w/p
-    ranks run, each on min(1, C·p/w) of a core instead of C/w (benchmarks/step_time_check.py measured it)."""
-    return (min(cores, world) / world) / min(1.0, cores * pp / world) if pp > 1 else 1.0
+def shared_core_bubble(world: int, cores: Optional[int], slots: float, gas: int) -> float:
+    """The bubble as a fraction of a rank's per-micro-batch work summed over the step (module docstring, bubble):
+    (slots - m)/m with a device a rank; with `world` ranks on `cores` cores (w > C) a waiting rank's core runs the
+    others, and the step is the longer of all ranks' work over the cores and the critical path at one core a rank,
+    slots · C/w of the per-micro-batch work, so the bubble is max(0, slots/m · C/w - 1)."""
+    share = min(1.0, cores / world) if cores else 1.0
+    return max(0.0, slots / gas * share - 1.0)
 
 
 @dataclass(frozen=True)
@@ -153,10 +174,11 @@ class StepTime:
     pipe: float  # pipeline send/recv and the all-gathers re-assembling partitioned messages
     cp: float = 0.0  # Ulysses all-to-alls and the ring's sends
     optimizer: float = 0.0  # the optimizer step's memory traffic
+    framework: float = 0.0  # per-micro-batch work beyond the FLOPs (Python, autograd, hooks)
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp + self.optimizer
+        return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp + self.optimizer + self.framework
 
 
 @lru_cache(maxsize=256)
@@ -287,21 +309,28 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     cp_seconds = _worst_rank(lambda S, st: cp_bytes_per_step(shape, micro_batch, seq, tp, cp, S, st, gas, act_bytes,
                                                             checkpointing, comm, cp_a2a),
                              schedule, pp, v) * (u - 1) / u / intra
+    cp_seconds += _worst_rank(lambda S, st: cp_messages_per_step(shape, cp, S, st, gas, checkpointing, comm, cp_a2a),
+                              schedule, pp, v) * cluster.latency_us * 1e-6
     cp_seconds += ring_seconds(shape, cluster, tp, pp, cp, micro_batch, gas, seq, act_bytes, checkpointing, comm,
                                cp_a2a, schedule, v)
     zero_group = dp * cp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
     dp_bandwidth = cluster.dp_gbps or dp_bandwidth
     if zero == 3:
-        weights = sum(stage_parameter_numels(shape, tp, 1, 0)) * act_bytes  # lp·Ψ of the rank's TP shard
-        dp_seconds = gas * 3 * weights * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+        numels = stage_parameter_numels(shape, tp, 1, 0)  # the rank's TP shard
+        gathered = sum(1 for n in numels if n > DEFAULT_PERSISTENCE_THRESHOLD)  # partitioned: fetched per module run
+        dp_seconds = gas * 3 * sum(numels) * act_bytes * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+        dp_seconds += gas * 2 * gathered * cluster.latency_us * 1e-6 if zero_group > 1 else 0.0
     else:
         dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
                                 schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
-    bubble = compute * (pipeline_slots(schedule, pp, gas, v) - gas) / gas
-    if cluster.shared_cores:
-        bubble *= shared_core_bubble(cluster.gpus, pp, cluster.shared_cores)
+    layers = _worst_rank(lambda S, st: stage_layer_count(shape, S, st), schedule, pp, v)
+    per_layer = cluster.framework_s_per_layer + (cluster.zero3_hooks_s_per_layer if zero == 3 else 0.0)
+    stretch = max(1.0, cluster.gpus / cluster.shared_cores) if cluster.shared_cores else 1.0
+    framework = gas * layers * per_layer * stretch * (4 / 3 if checkpointing else 1)
+    bubble = (compute + framework) * shared_core_bubble(cluster.gpus, cluster.shared_cores,
+                                                        pipeline_slots(schedule, pp, gas, v), gas)
     optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v, offload, gas)
-    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer)
+    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer, framework)

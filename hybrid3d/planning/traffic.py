@@ -154,6 +154,14 @@ def cp_bytes_per_step(shape: LlamaShape, b: int, s: int, tp: int, cp: int, pp: i
     return gas * stage_layer_count(shape, pp, stage) * passes * (2 * q + 2 * kv) * act_bytes
 
 
+def cp_messages_per_step(shape: LlamaShape, cp: int, pp: int, stage: int, gas: int, recompute: bool = False,
+                         comm: str = "a2a", a2a: int = 1) -> int:
+    """The all-to-alls of `cp_bytes_per_step`: per block and micro-batch 4 forward + 4 backward (+ 4 recomputed)."""
+    if ulysses_size(cp, comm, a2a) == 1:
+        return 0
+    return gas * stage_layer_count(shape, pp, stage) * (3 if recompute else 2) * 4
+
+
 def ring_bytes_per_layer(shape: LlamaShape, b: int, s: int, tp: int, cp: int, a2a: int = 1, act_bytes: int = 2,
                          recompute: bool = False) -> tuple[int, int]:
     """(forward, backward) bytes one rank sends around its ring per decoder layer and micro-batch
