@@ -8,13 +8,13 @@ x16 to the host), the planner's 3 GB reserve (CUDA context, NCCL, fragmentation)
 CPU (gloo ranks sharing the cores): the figures `benchmarks/step_time_check.py --machine` measured on a 2-core AMD EPYC
 VM (benchmarks/results/2026-12-05-vm/machine.md): a core's fp32 rate in hybrid3d's engine, 22.1 GFLOP/s (bf16 at the
 1.17x of fp32 plain PyTorch measured on 2026-12-04, benchmarks/results/2026-12-04-vm/step_time.md), a rank getting
-its share of the cores; the framework's 2.69 ms of a core per decoder layer and micro-batch, and 12.5 ms more for
+its share of the cores; the framework's 3.17 ms of a core per decoder layer and micro-batch, and 17.0 ms more for
 ZeRO-3's hooks; TP all-reduces through DeepSpeed's shared-memory kernel where the TP group is the whole world (fp32
-1.48 GB/s bus bandwidth and no latency with a core a rank, 1.16 GB/s and 4.14 ms a message at 4 ranks on 2 cores,
-where its ranks wait for partners the OS has descheduled) and through gloo otherwise (fp32 0.71 GB/s, 1.22 ms; bf16
-0.75 GB/s, 1.42 ms: fitted over 2 of 4 ranks), gloo's latency also that of ZeRO-3's gathers and Ulysses'
-all-to-alls; DP's bucket all-reduce through gloo (0.68-0.97 GB/s: 0.7); copy bandwidth 8.3 GB/s a rank with 2 ranks
-copying, 4.6 with 4. No reserve: the budget caps the model states and activations the memory model counts (the
+1.60 GB/s bus bandwidth and no latency with a core a rank, 0.98 GB/s and 3.78 ms a message at 4 ranks on 2 cores,
+where its ranks wait for partners the OS has descheduled) and through gloo otherwise (fp32 0.74 GB/s, 1.53 ms; bf16
+0.73 GB/s, 1.37 ms: fitted over 2 of 4 ranks), gloo's latency also that of ZeRO-3's gathers and Ulysses'
+all-to-alls; DP's bucket all-reduce through gloo (0.65-0.99 GB/s: 0.7); copy bandwidth 7.9 GB/s a rank with 2 ranks
+copying, 5.1 with 4. No reserve: the budget caps the model states and activations the memory model counts (the
 engine's tensors, as benchmarks measure them), not the process's libraries. Offload moves nothing on the CPU (the
 host is the device), so CPU rows never offload.
 """
@@ -24,13 +24,13 @@ from typing import Optional
 from hybrid3d.planning.step_time import Cluster
 
 CPU_GFLOPS_PER_CORE = {"fp32": 22.1, "bf16": 22.1 * 114.0 / 97.1}  # hybrid3d's engine on one core (docstring)
-CPU_FRAMEWORK_S_PER_LAYER = 2.69e-3  # a core's seconds per decoder layer and micro-batch beyond the FLOPs
-CPU_ZERO3_HOOKS_S_PER_LAYER = 15.15e-3 - 2.69e-3  # what ZeRO-3's parameter hooks add to it
+CPU_FRAMEWORK_S_PER_LAYER = 3.17e-3  # a core's seconds per decoder layer and micro-batch beyond the FLOPs
+CPU_ZERO3_HOOKS_S_PER_LAYER = 20.16e-3 - 3.17e-3  # what ZeRO-3's parameter hooks add to it
 # (GB/s, µs) of a TP all-reduce over the whole world (DeepSpeed's shared-memory kernel): a core a rank, more ranks
-CPU_SHM_TP = {"a core a rank": (1.48, 0.0), "cores shared": (1.16, 4140.0)}
-CPU_GLOO_TP = {"fp32": (0.71, 1220.0), "bf16": (0.75, 1420.0)}  # (GB/s, µs) through gloo, a group inside the world
+CPU_SHM_TP = {"a core a rank": (1.60, 0.0), "cores shared": (0.98, 3780.0)}
+CPU_GLOO_TP = {"fp32": (0.74, 1530.0), "bf16": (0.73, 1370.0)}  # (GB/s, µs) through gloo, a group inside the world
 CPU_GLOO_DP_GBPS = 0.7  # ZeRO's bucket all-reduce through gloo
-CPU_COPY_GBPS = {"a core a rank": 8.3, "cores shared": 4.6}  # memory bandwidth a rank sees while the others copy too
+CPU_COPY_GBPS = {"a core a rank": 7.9, "cores shared": 5.1}  # memory bandwidth a rank sees while the others copy too
 
 
 def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Cluster:
