@@ -92,6 +92,7 @@ class Request:
     pipeline_zero2: Optional[bool]  # hybrid3d.pipeline_zero2 when given
     offload: Optional[str]  # the offload the config gives (OFFLOAD_KINDS); None: the planner's choice
     bucket: int = DEFAULT_REDUCE_BUCKET  # zero_optimization.reduce_bucket_size (elements)
+    async_checkpoint: bool = False  # hybrid3d.checkpoint.async: its host copy counts as host memory
 
 
 def open_fields(keys: list[str]) -> set:
@@ -145,8 +146,10 @@ def read_request(raw: dict, keys: list[str]) -> Request:
     # no offload key with the stage open: the planner's choice (None); else what the keys say
     offload = None if devices == (None, None) and "zero" in fields else OFFLOAD_KINDS[devices]
     seq = (section.get("data") or {}).get("seq_length", 128)
+    checkpoint = section.get("checkpoint") if isinstance(section.get("checkpoint"), dict) else {}
     return Request(frozenset(fields), fixed, tbs, seq, precision, section.get("virtual_pipeline_size"),
-                   section.get("pipeline_zero2"), offload, int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)))
+                   section.get("pipeline_zero2"), offload, int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
+                   bool(checkpoint.get("async", False)))
 
 
 def _accepts(request: Request, choice: Choice) -> bool:
@@ -181,7 +184,8 @@ def decide(shape: LlamaShape, cluster: Cluster, request: Request, offload: bool)
     offload_rows = offload if request.offload is None else request.offload != NO_OFFLOAD
     rows, refused = plan(shape, cluster, request.seq, request.global_batch, request.bucket, sequence_parallel=True,
                          context_parallel=True, schedules=True, least=least, precision=request.precision,
-                         accept=lambda c: _accepts(request, c), offload=offload_rows)
+                         accept=lambda c: _accepts(request, c), offload=offload_rows,
+                         async_checkpoint=request.async_checkpoint)
     if not rows:
         given = ", ".join(f"{k}={v}" for k, v in sorted(request.fixed.items())) or "nothing"
         if least:

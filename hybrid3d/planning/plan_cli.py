@@ -67,6 +67,9 @@ def main(argv=None) -> int:
     parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
     parser.add_argument("--host-memory", type=parse_gigabytes, default=None,
                         help="GB of host memory per node for offloaded states (default: not checked)")
+    parser.add_argument("--async-checkpoint", action="store_true",
+                        help="count the host copy of asynchronous checkpoint saves (hybrid3d.checkpoint.async) in "
+                             "host GB")
     parser.add_argument("--host-adam-rate", type=_positive(float), default=Cluster.host_adam_gelems,
                         help="billion parameters/s DeepSpeedCPUAdam steps per GPU (default "
                              f"{Cluster.host_adam_gelems:g}: 2 cores of the CPU test machine)")
@@ -123,7 +126,8 @@ def main(argv=None) -> int:
         return 0
     least = []
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
-                             sequence_parallel=True, context_parallel=True, schedules=True, least=least)
+                             sequence_parallel=True, context_parallel=True, schedules=True, least=least,
+                             async_checkpoint=args.async_checkpoint)
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences{lora}")
     if args.lora_rank:

@@ -9,8 +9,9 @@ COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ra
 OFFLOAD_LABELS = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+par"}
 OFFLOAD_FOOTER = ("offload: opt zero_optimization.offload_optimizer cpu (fp32 master, its gradient and Adam's moments "
                   "in host memory,\nstepped by DeepSpeedCPUAdam); opt+par also offload_param cpu (ZeRO-3's weight "
-                  "partitions); host GB: host memory\nper GPU; states: device bytes, ZeRO-3's gathered layers "
-                  "included (docs/configuration.md#zero-3-and-offload)")
+                  "partitions); host GB: host memory\nper GPU (with --async-checkpoint also an asynchronous save's copy of the "
+                  "rank's files); states: device bytes,\nZeRO-3's gathered layers included "
+                  "(docs/configuration.md#zero-3-and-offload)")
 # parallel/attention_blocks.block_kernel: a ring's masked blocks on GPUs are explicit fp32 tiles, not a fused kernel
 RING_NOTE = ("note: on GPUs ring attention (p2p, a2aU+p2p) runs its masked blocks (documents, sliding windows) as "
              "explicit fp32 tiles (parallel/attention_blocks.py): ring rows' step times assume a fused kernel's speed")

@@ -54,6 +54,7 @@ from typing import Callable, Optional
 
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.activations import uses_ring
+from hybrid3d.planning.checkpoint_copy import async_copy_bytes
 from hybrid3d.planning.hints import gb
 from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner's public names)
     Candidate,
@@ -148,8 +149,9 @@ def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bo
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
              schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
-             offload: str = NO_OFFLOAD, precision: Optional[str] = None) -> Choice:
-    """One option's memory and step time; `precision`: a run's own (None: `planned_precision`)."""
+             offload: str = NO_OFFLOAD, precision: Optional[str] = None, async_checkpoint: bool = False) -> Choice:
+    """One option's memory and step time; `precision`: a run's own (None: `planned_precision`);
+    `async_checkpoint`: the host copy of an asynchronous save counts in `host_gb` (planning/checkpoint_copy.py)."""
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
     run_precision, precision = precision, precision or planned_precision(zero, offload)
@@ -159,6 +161,8 @@ def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, c
                               sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
                               cp_a2a=cp_a2a, offload=offload)
     memory = states + acts + cluster.reserve_gb * GB
+    if async_checkpoint:
+        host += async_copy_bytes(shape, tp, pp, dp * cp, zero, precision, schedule, virtual)
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
                   step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual,
                   comm, cp_a2a, offload, host / GB, run_precision)
@@ -187,7 +191,8 @@ def _too_big(name: str, least: Choice, cluster: Cluster, what: str) -> str:
 def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucket: int = DEFAULT_REDUCE_BUCKET,
          sequence_parallel: bool = False, context_parallel: bool = False,
          schedules: bool = False, least: Optional[list] = None, precision: Optional[str] = None,
-         accept: Optional[Callable[[Choice], bool]] = None, offload: bool = True) -> tuple[list[Choice], list[str]]:
+         accept: Optional[Callable[[Choice], bool]] = None, offload: bool = True,
+         async_checkpoint: bool = False) -> tuple[list[Choice], list[str]]:
     """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
     per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
     `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
@@ -195,7 +200,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
     the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory.
     A run's "auto" (`planning.auto_layout`): `precision`, its own for every row (None: `planned_precision`);
     `accept`, the options its given keys allow (the others are neither rows nor refusals); `offload`, False where
-    offload cannot help (the CPU)."""
+    offload cannot help (the CPU). `async_checkpoint`: asynchronous saves' host copy counts as host memory."""
     feasible, refused = [], []
     for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
@@ -206,7 +211,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
         for zero in _zero_stages(shape, pp, dp * cp):
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
-                                offload=kind, precision=precision)
+                                offload=kind, precision=precision, async_checkpoint=async_checkpoint)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
                        for kind in (offload_options(shape, pp, zero) if offload else (NO_OFFLOAD,))]

@@ -11,14 +11,13 @@ import re
 import signal
 import subprocess
 import sys
-import time
 
-import psutil
 import pytest
 import torch
 
 from tests.launcher.harness import (REPO, STEPS, config_copy, copy_checkpoint, deepspeed_command, demo_config,
-                                    launch_env, layer_states, read_metrics, resume_copy)
+                                    fault_env, layer_states, rank_process, read_metrics, resume_copy,
+                                    wait_for)
 from tests.launcher.in_world import run_job
 
 METRIC_FIELDS = {"step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops", "mfu", "memory_bytes", "step_time_s"}
@@ -46,45 +45,61 @@ def test_demo_trains_and_loss_falls(uninterrupted):
 
 @pytest.fixture(scope="module")
 def interrupted(tmp_path_factory):
-    """The same run, stopped by SIGTERM to one rank after step 2, then resumed from `latest`."""
+    """The same run with asynchronous saves every 2 steps, rank 1's background write of step 2 held (the fault
+    `hold_background_write`) until SIGTERM reaches rank 1, then resumed from `latest`."""
     tmp = tmp_path_factory.mktemp("interrupted")
-    config = demo_config(tmp)
+    config = demo_config(tmp, checkpoint={"save_interval": 2, "keep_last": 0, "async": True})
+    marker = tmp / "held"
+    env = fault_env({"kind": "hold_background_write", "rank": 1, "match": "global_step2", "marker": str(marker)})
     proc = subprocess.Popen(deepspeed_command(4, config), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, cwd=tmp, env=launch_env())
-    metrics = tmp / "run" / "metrics.jsonl"
-    deadline = time.time() + 300
-    while time.time() < deadline and proc.poll() is None:
-        if metrics.exists() and len(metrics.read_text().splitlines()) >= 2:
-            ranks = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                     if any("--local_rank=1" in a for a in p.cmdline())]
-            ranks[0].send_signal(signal.SIGTERM)
-            break
-        time.sleep(0.2)
+                            text=True, cwd=tmp, env=env)
+    if wait_for(marker.exists, proc):  # the write of step 2 is in flight on rank 1
+        rank_process(proc, 1).send_signal(signal.SIGTERM)
     first_output, _ = proc.communicate(timeout=300)
     resumed = run_job(4, config, "--checkpoint.load", "latest")
-    return dict(first_rc=proc.returncode, first_output=first_output, resumed=resumed, out=tmp / "run")
+    return dict(first_rc=proc.returncode, first_output=first_output, resumed=resumed, out=tmp / "run",
+                held=marker.exists(), config=config)
 
 
-def test_sigterm_saves_and_resume_continues_exactly(uninterrupted, interrupted):
-    assert interrupted["first_rc"] == 0, interrupted["first_output"][-3000:]
-    stopped = re.search(r"stopped by SIGTERM \(rank 1\) after step (\d+); checkpoint (\S+)", interrupted["first_output"])
-    assert stopped, interrupted["first_output"][-3000:]
+def test_sigterm_during_a_background_write_commits_it_saves_and_resume_continues_exactly(uninterrupted,
+                                                                                         interrupted):
+    """SIGTERM to one rank while its background write of step 2 runs: the job commits step 2, saves the step it
+    stops at, exits 0, and the resume from there is the uninterrupted run bit for bit."""
+    assert interrupted["held"] and interrupted["first_rc"] == 0, interrupted["first_output"][-3000:]
+    output = interrupted["first_output"]
+    stopped = re.search(r"stopped by SIGTERM \(rank 1\) after step (\d+); checkpoint (\S+)", output)
+    assert stopped, output[-3000:]
     stop_step = int(stopped.group(1))
     assert 2 <= stop_step < STEPS
+    committed = output.index("checkpoint global_step2 committed: the step was held")
+    assert committed < stopped.start()  # the write in flight was committed before the stop's own save
+    checkpoints = interrupted["out"] / "checkpoints"
+    assert (checkpoints / "global_step2").is_dir() and not list(checkpoints.glob("*.incomplete"))
     resumed = interrupted["resumed"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {stop_step}" in resumed.stdout
-    metrics = read_metrics(interrupted["out"])
+    metrics = [m for m in read_metrics(interrupted["out"]) if "loss" in m]  # without the saves' records
     assert [m["step"] for m in metrics] == list(range(1, stop_step + 1)) + list(range(stop_step + 1, STEPS + 1))
     # fp32 on the CPU: the interrupted-and-resumed run is the uninterrupted run, bit for bit.
     assert [m["loss"] for m in metrics] == [m["loss"] for m in uninterrupted["metrics"]]
     assert [m.get("eval_loss") for m in metrics] == [m.get("eval_loss") for m in uninterrupted["metrics"]]
-    final = layer_states(interrupted["out"] / "checkpoints" / "global_step8")
+    final = layer_states(checkpoints / "global_step8")
     reference = layer_states(uninterrupted["out"] / "checkpoints" / "global_step8")
     assert final.keys() == reference.keys() and len(final) == 14
     for name in final:
         for key in final[name]:
             assert torch.equal(final[name][key], reference[name][key]), (name, key)
+
+
+def test_an_asynchronous_checkpoint_reshards_like_a_synchronous_one(uninterrupted, interrupted):
+    """The resumed run's last checkpoint, saved asynchronously, evaluates at TP1 x PP1 through DeepSpeed's universal
+    checkpoint to the uninterrupted run's eval loss."""
+    result = run_job(1, interrupted["config"], "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
+                     "--checkpoint.load", str(interrupted["out"] / "checkpoints"), "--eval-only")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "global_step8" in result.stdout and "through DeepSpeed's universal checkpoint" in result.stdout
+    eval_loss = float(re.search(r"eval_loss (\S+) perplexity", result.stdout).group(1))
+    assert math.isclose(eval_loss, uninterrupted["metrics"][-1]["eval_loss"], rel_tol=1e-5)
 
 
 @pytest.mark.parametrize("num_gpus, overrides", [

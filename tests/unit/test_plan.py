@@ -69,6 +69,23 @@ def test_zero3_and_offload_rows(llama3_8b):
     assert on_host.step_seconds > on_device.step_seconds and on_host.states_gb < on_device.states_gb
 
 
+def test_asynchronous_saves_count_their_host_copy(llama3_8b):
+    """checkpoint.async (planning/checkpoint_copy.py): Llama 3 8B at TP2 x DP4, ZeRO-1, bf16: data-parallel rank 0
+    copies its TP half of the bf16 weights and its quarter of the fp32 master and Adam's moments, 2/2 + 12/8 bytes a
+    parameter; ZeRO-3 over 8 ranks copies 14/8; the planner counts it in host GB and drops rows a host cannot hold."""
+    eight = Cluster(gpus=8, gpu_memory_gb=80)
+    sync = evaluate(llama3_8b, eight, 2, 1, 1, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET)
+    copy = evaluate(llama3_8b, eight, 2, 1, 1, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET, async_checkpoint=True)
+    assert copy.memory_gb == sync.memory_gb and copy.host_gb - sync.host_gb == pytest.approx((1 + 1.5) * PSI_8B / 1e9,
+                                                                                             rel=2e-3)
+    zero3 = evaluate(llama3_8b, eight, 1, 1, 3, True, 1, 4096, 512, DEFAULT_REDUCE_BUCKET, async_checkpoint=True)
+    assert zero3.host_gb == pytest.approx(14 / 8 * PSI_8B / 1e9, rel=1e-3)
+    small_host = Cluster(gpus=8, gpu_memory_gb=80, host_memory_gb=8 * 16)  # 16 GB a GPU: 14/8 bytes a parameter fit
+    rows, kept = plan(llama3_8b, small_host, 4096, 512)[0], plan(llama3_8b, small_host, 4096, 512,
+                                                                  async_checkpoint=True)[0]
+    assert 0 < len(kept) < len(rows) and all(c.host_gb <= 16 for c in kept)
+
+
 def test_refusals_name_the_reason(llama3_8b):
     feasible, refused = plan(llama3_8b, Cluster(gpus=16, gpu_memory_gb=80), seq=4096, global_batch=512)
     assert any("tp=16 > 8 GPUs per node" in r for r in refused)

@@ -4,6 +4,8 @@ tests alike. Each `patch_*` changes one module of hybrid3d (or torch) so that th
 an in-process test's forked child kills itself -9. Each returns a function that undoes the patch."""
 
 import os
+import threading
+import time
 
 
 def patch_save(torch, rank: int, match: str, stop):
@@ -92,3 +94,29 @@ def patch_universal(universal, stop):
 
     universal.run_ds_to_universal = converted_then_stopped
     return lambda: setattr(universal, "run_ds_to_universal", real)
+
+
+def patch_background_write_until_stop(signals, async_save, rank: int, match: str, reached):
+    """Rank `rank`'s background writer (checkpoint/async_save.py), at the first file whose path contains `match`,
+    calls `reached` and holds the write until the rank has received SIGTERM/SIGINT (the job's StopRequest handler
+    ran), then 2 s more, so the stop the signal asks for meets the write still in flight."""
+    stopped, held = threading.Event(), []
+    handle, fsync_file = signals.StopRequest._handle, async_save.fsync_file
+
+    def on_signal(self, signum, frame):
+        handle(self, signum, frame)
+        stopped.set()
+
+    def fsync_held(path):
+        if not held and int(os.environ.get("RANK", -1)) == rank and match in str(path):
+            held.append(path)
+            reached("background write")
+            stopped.wait(300)
+            time.sleep(2)
+        return fsync_file(path)
+
+    signals.StopRequest._handle, async_save.fsync_file = on_signal, fsync_held
+
+    def undo():
+        signals.StopRequest._handle, async_save.fsync_file = handle, fsync_file
+    return undo

@@ -1,0 +1,151 @@
+"""Asynchronous against synchronous checkpoint saves, side by side: what a save costs the training steps.
+
+Each setup trains through `deepspeed launch/train.py` (the job as users run it) twice per repeat, saving every
+`--save-interval` steps, once with `"checkpoint": {"async": true}` and once without, the two modes in turn for
+`--repeats` rounds (interleaved, so both see the same minutes of the machine). From metrics.jsonl (every step
+logged):
+- a normal step: the median wall time between two step records with no save between them;
+- the save step: the wall time between the record of a save step s and that of step s + 1, which holds the save
+  of step s (synchronous: every file written and committed; asynchronous: the copy of the states) and step s + 1;
+- asynchronous saves also report, per save, the time the step was held (`held_s`, the copy) and the time the
+  background write took (`write_s`); the check of the issue: the save step at most 1.1 x a normal step + held_s;
+- the excess of a save interval: the wall time of the steps from s + 1 to the next save over as many normal
+  steps (what the save cost in all, the background write's share of the cores included).
+The end-of-run save (always committed before the job ends) is not counted.
+
+Setups: "demo" (ds_configs/cpu_demo.json: the tiny preset at TP2 x PP2, 4 ranks) and "smollm2"
+(ds_configs/cpu_smollm2_chat.json: SmolLM2-135M's shape at TP3 x PP2, 6 ranks, ZeRO-1, random weights: the
+checkpoint's size is what counts here).
+
+    python benchmarks/async_checkpoint.py                          # both setups, 2 repeats
+    python benchmarks/async_checkpoint.py --setups demo --repeats 1 --steps 8   # a smoke run
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path[:0] = [HERE, REPO]
+from common import environment_markdown, start_results  # noqa: E402
+
+# name -> (shipped config, ranks, steps, save interval)
+SETUPS = {"demo": ("cpu_demo.json", 4, 24, 6), "smollm2": ("cpu_smollm2_chat.json", 6, 10, 3)}
+MODES = ("sync", "async")
+
+
+def run_config(setup: str, mode: str, out_dir: str, steps: int, interval: int) -> dict:
+    """The shipped config of `setup` for one run: `steps` steps, a save every `interval`, every step logged, no
+    evaluation, `mode`'s saves, output under `out_dir`."""
+    name = SETUPS[setup][0]
+    with open(os.path.join(REPO, "ds_configs", name)) as f:
+        raw = json.load(f)
+    section = raw["hybrid3d"]
+    section["train"].update(steps=steps, log_interval=1, eval_interval=0, output_dir=out_dir, overwrite=True)
+    section["data"]["eval_fraction"] = 0.0
+    raw.pop("scheduler", None)  # its total_num_steps is the shipped run's; a constant rate times the same
+    section["checkpoint"] = {"save_interval": interval, "keep_last": 2, "async": mode == "async"}
+    return raw
+
+
+def train(setup: str, mode: str, tmp: str, steps: int, interval: int) -> list[dict]:
+    """One run through the launcher; its metrics.jsonl records."""
+    ranks = SETUPS[setup][1]
+    out_dir = os.path.join(tmp, f"{setup}-{mode}")
+    config = os.path.join(tmp, f"{setup}-{mode}.json")
+    with open(config, "w") as f:
+        json.dump(run_config(setup, mode, out_dir, steps, interval), f)
+    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=REPO)
+    command = ["deepspeed", "--log_level", "error", "--num_gpus", str(ranks), os.path.join(REPO, "launch", "train.py"),
+               "--deepspeed_config", config]
+    done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"error: {setup} {mode} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def figures(records: list[dict], steps: int, interval: int) -> dict:
+    """A run's normal step, save steps, held/write times and save-interval excess (module docstring)."""
+    stamps = {r["step"]: r["time"] for r in records if "loss" in r}
+    saves = [s for s in range(interval, steps, interval)]  # the end-of-run save excluded
+    gaps = {s: stamps[s] - stamps[s - 1] for s in range(2, steps + 1)}  # step 1 has no earlier record
+    normal = statistics.median(g for s, g in gaps.items() if s - 1 not in saves)
+    save_steps = [gaps[s + 1] for s in saves]
+    excess = [sum(gaps[k] for k in range(s + 1, min(s + interval, steps) + 1)) - normal * (min(s + interval, steps) - s)
+              for s in saves]
+    reports = {r["step"]: r for r in records if "checkpoint" in r}
+    return dict(normal_s=normal, save_step_s=save_steps, excess_s=excess,
+                held_s=[reports[s]["held_s"] for s in saves if s in reports],
+                write_s=[reports[s]["write_s"] for s in saves if s in reports],
+                copied_bytes=[reports[s]["copied_bytes"] for s in saves if s in reports])
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians over repeats and saves of one setup's mode."""
+    def pooled(key):
+        values = [v for r in runs for v in (r[key] if isinstance(r[key], list) else [r[key]])]
+        return statistics.median(values) if values else None
+    out = {key: pooled(key) for key in ("normal_s", "save_step_s", "excess_s", "held_s", "write_s", "copied_bytes")}
+    if out["held_s"] is not None:  # the issue's bound, per save: save step <= 1.1 x normal + held
+        ratios = [step / (1.1 * r["normal_s"] + held) for r in runs for step, held in zip(r["save_step_s"], r["held_s"])]
+        out["bound_ratio_max"] = max(ratios)
+    return out
+
+
+def markdown(results: dict, env: dict, command: str) -> str:
+    lines = ["# Asynchronous against synchronous checkpoint saves", "", environment_markdown(env, command), "",
+             "| setup | mode | normal step s | save step s | held s (copy) | background write s | MiB a rank | "
+             "save interval's excess s | save step / (1.1 x normal + held) |", "|---|---|---|---|---|---|---|---|---|"]
+    for setup, modes in results.items():
+        for mode, s in modes.items():
+            def fmt(v, spec=".3f"):
+                return "-" if v is None else format(v, spec)
+            lines.append(f"| {setup} | {mode} | {fmt(s['normal_s'])} | {fmt(s['save_step_s'])} | {fmt(s['held_s'])} | "
+                         f"{fmt(s['write_s'])} | {fmt(s['copied_bytes'] and s['copied_bytes'] / 2**20, '.1f')} | "
+                         f"{fmt(s['excess_s'])} | {fmt(s.get('bound_ratio_max'), '.2f')} |")
+    return "\n".join(lines + [""])
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="steps a run (default: the setup's)")
+    parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    args = parser.parse_args(argv)
+    setups = args.setups.split(",")
+    unknown = [s for s in setups if s not in SETUPS]
+    if unknown:
+        parser.exit(2, f"error: --setups: unknown {unknown[0]!r} (one of {', '.join(SETUPS)})\n")
+    command, out_dir, env = start_results("async_checkpoint.py", argv, args.out)
+    raw = {s: {m: [] for m in MODES} for s in setups}
+    with tempfile.TemporaryDirectory() as tmp:
+        for repeat in range(args.repeats):
+            for setup in setups:
+                steps = args.steps or SETUPS[setup][2]
+                interval = SETUPS[setup][3] if args.steps is None else max(2, steps // 4)
+                for mode in MODES:
+                    began = time.perf_counter()
+                    run = figures(train(setup, mode, tmp, steps, interval), steps, interval)
+                    raw[setup][mode].append(run)
+                    print(f"[repeat {repeat + 1}] {setup} {mode}: normal {run['normal_s']:.3f} s, save steps "
+                          f"{[round(v, 3) for v in run['save_step_s']]}, held {[round(v, 3) for v in run['held_s']]} "
+                          f"({time.perf_counter() - began:.0f} s)", flush=True)
+    results = {s: {m: summarise(runs) for m, runs in modes.items()} for s, modes in raw.items()}
+    text = markdown(results, env, command)
+    with open(os.path.join(out_dir, "async_checkpoint.md"), "w") as f:
+        f.write(text)
+    with open(os.path.join(out_dir, "async_checkpoint.json"), "w") as f:
+        json.dump({"command": command, "environment": env, "runs": raw, "summary": results}, f, indent=1)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
