@@ -14,8 +14,8 @@ logged):
 The end-of-run save (always committed before the job ends) is not counted.
 
 Setups: "demo" (ds_configs/cpu_demo.json: the tiny preset at TP2 x PP2, 4 ranks) and "smollm2"
-(ds_configs/cpu_smollm2_chat.json: SmolLM2-135M's shape at TP3 x PP2, 6 ranks, ZeRO-1, random weights: the
-checkpoint's size is what counts here).
+(ds_configs/cpu_smollm2_chat.json: SmolLM2-135M's shape at TP3 x PP2, 6 ranks, ZeRO-1, random weights and the
+built-in tokenizer with ds_configs/chat_template.jinja: the checkpoint's size is what counts here).
 
     python benchmarks/async_checkpoint.py                          # both setups, 2 repeats
     python benchmarks/async_checkpoint.py --setups demo --repeats 1 --steps 8   # a smoke run
@@ -36,7 +36,7 @@ sys.path[:0] = [HERE, REPO]
 from common import environment_markdown, start_results  # noqa: E402
 
 # name -> (shipped config, ranks, steps, save interval)
-SETUPS = {"demo": ("cpu_demo.json", 4, 24, 6), "smollm2": ("cpu_smollm2_chat.json", 6, 10, 3)}
+SETUPS = {"demo": ("cpu_demo.json", 4, 24, 6), "smollm2": ("cpu_smollm2_chat.json", 6, 7, 3)}
 MODES = ("sync", "async")
 
 
@@ -49,6 +49,8 @@ def run_config(setup: str, mode: str, out_dir: str, steps: int, interval: int) -
     section = raw["hybrid3d"]
     section["train"].update(steps=steps, log_interval=1, eval_interval=0, output_dir=out_dir, overwrite=True)
     section["data"]["eval_fraction"] = 0.0
+    if section["data"].get("format") == "chat":  # the built-in tokenizer has no template; the shipped one does
+        section["data"]["chat_template"] = os.path.join(REPO, "ds_configs", "chat_template.jinja")
     raw.pop("scheduler", None)  # its total_num_steps is the shipped run's; a constant rate times the same
     section["checkpoint"] = {"save_interval": interval, "keep_last": 2, "async": mode == "async"}
     return raw
