@@ -20,7 +20,7 @@ not assumed:
   (read + write bytes / time, median of 10), for the optimizer part.
 - framework (`--machine`): one rank on one core times its step at micro-batches of 1 and 4 sequences and 1 and 8
   micro-batches a step (`framework_line`); the line through what one more micro-batch costs gives a core's compute
-  rate and the seconds a micro-batch costs whatever its size (Python, autograd, DeepSpeed's hooks), at ZeRO-0 and 3.
+  rate and the seconds a micro-batch costs whatever its size (Python, autograd, DeepSpeed's hooks), at ZeRO 0-3.
 The planner's own parts (compute, bubble, TP, DP, pipeline traffic, the optimizer's memory traffic) are then
 summed; the framework part is left out of the comparison with vs_peers (its rows predate it). With more ranks than
 cores, ranks share cores, so a rank that waits in a pipeline bubble lends its core to the others: the planner's
@@ -202,7 +202,7 @@ def machine_main(out_root: str, repeats: int) -> None:
     vs_peers rows): the TP all-reduce's Hockney fit (shared memory where the group is the world, gloo otherwise),
     DP's bucket bandwidth through gloo, a rank's copy bandwidth, and the framework line of ZeRO-0 and ZeRO-3
     (`framework_line`): a core's fp32 rate (FLOPs of a sequence / beta), the framework's seconds per decoder layer
-    and micro-batch (alpha / layers) and what ZeRO-3's hooks add to them."""
+    and micro-batch (alpha / layers) at each ZeRO stage, whose excess over ZeRO-0's is its hooks'."""
     from common import start_results
 
     command, out_dir, env = start_results("step_time_check.py", None, out_root)
@@ -222,7 +222,7 @@ def machine_main(out_root: str, repeats: int) -> None:
                 run_world(copy_bandwidth, world, os.path.join(tmp, f"mem{world}"), 16 * 2**20, repeats)) / GB
         shape = LlamaShape(**FRAMEWORK_MODEL)
         sequence_flops = FRAMEWORK_SEQ * training_flops_per_token(shape, FRAMEWORK_SEQ)
-        for zero in (0, 3):
+        for zero in (0, 1, 2, 3):
             line = run_world(framework_line, 1, os.path.join(tmp, f"framework{zero}"), zero, repeats)[0]
             figures["framework"][f"zero{zero}"] = dict(line, alpha_s_per_layer=line["alpha_s"] / shape.num_layers,
                                                        core_gflops=sequence_flops / line["beta_s"] / 1e9)

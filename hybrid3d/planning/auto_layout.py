@@ -15,7 +15,8 @@ TIE_BAND of the fastest, the one with the most memory headroom under the budget 
 within that band the estimate cannot tell two layouts apart, while a row that fills the budget to the last percent
 is the one the memory model's error would push out. Headroom counts up to ENOUGH_HEADROOM of the budget (above the
 memory model's largest under-prediction measured, 8.1%: benchmarks/results/2026-12-05-vm/auto_layout.md): rows with
-that much left are equally safe, and the faster estimate among them wins. It is computed on every rank from the same inputs (the
+that much left are equally safe, and the faster estimate among them wins; below it headroom is compared in whole
+steps of HEADROOM_GRAIN of the budget (a difference of 0.16 MB in a 50 MB budget decided a case otherwise). It is computed on every rank from the same inputs (the
 config, the model's shape, the world size, the budget), so every rank takes the same decision with no
 communication; `apply_choice` writes it into the config, which then goes through the one validation pass as any
 written-out config does.
@@ -44,6 +45,7 @@ DS_KEYS = {"zero_optimization.stage": "zero", "train_micro_batch_size_per_gpu": 
 HYBRID_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "sp": False, "schedule": "1f1b"}  # config.sections.HybridSection's
 TIE_BAND = 0.05  # rows whose step-time estimates lie within 5% of the fastest's count as equally fast
 ENOUGH_HEADROOM = 0.10  # of the budget: rows with this much memory left count as equally safe (module docstring)
+HEADROOM_GRAIN = 0.01  # of the budget: headroom is compared in whole steps of it (smaller differences are noise)
 OFFLOAD_KINDS = {("cpu", None): "optimizer", ("cpu", "cpu"): "optimizer+params", (None, None): NO_OFFLOAD}
 
 
@@ -200,10 +202,11 @@ def decide(shape: LlamaShape, cluster: Cluster, request: Request, offload: bool)
 
 def choose(rows: list[Choice], budget_gb: float) -> Choice:
     """Of `rows` (fastest first), the one with the most headroom under `budget_gb`, counted up to ENOUGH_HEADROOM of
-    it, among those within TIE_BAND of the fastest's estimate (the fastest estimate of them on equal headroom)."""
+    it in steps of HEADROOM_GRAIN, among those within TIE_BAND of the fastest's estimate (the fastest estimate of them
+    on equal headroom)."""
     ties = [r for r in rows if r.step_seconds <= rows[0].step_seconds * (1 + TIE_BAND)]
-    enough = ENOUGH_HEADROOM * budget_gb
-    return max(ties, key=lambda r: (round(min(budget_gb - r.memory_gb, enough), 9), -r.step_seconds))
+    enough, grain = ENOUGH_HEADROOM * budget_gb, HEADROOM_GRAIN * budget_gb
+    return max(ties, key=lambda r: (int(min(budget_gb - r.memory_gb, enough) / grain + 1e-9), -r.step_seconds))
 
 
 def row_label(c: Choice) -> str:

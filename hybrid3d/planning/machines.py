@@ -25,7 +25,7 @@ from hybrid3d.planning.step_time import Cluster
 
 CPU_GFLOPS_PER_CORE = {"fp32": 22.1, "bf16": 22.1 * 114.0 / 97.1}  # hybrid3d's engine on one core (docstring)
 CPU_FRAMEWORK_S_PER_LAYER = 3.17e-3  # a core's seconds per decoder layer and micro-batch beyond the FLOPs
-CPU_ZERO3_HOOKS_S_PER_LAYER = 20.16e-3 - 3.17e-3  # what ZeRO-3's parameter hooks add to it
+CPU_ZERO_HOOKS_S_PER_LAYER = (0.0, 0.0, 0.0, 20.16e-3 - 3.17e-3)  # what each ZeRO stage's hooks add to it
 # (GB/s, µs) of a TP all-reduce over the whole world (DeepSpeed's shared-memory kernel): a core a rank, more ranks
 CPU_SHM_TP = {"a core a rank": (1.60, 0.0), "cores shared": (0.98, 3780.0)}
 CPU_GLOO_TP = {"fp32": (0.74, 1530.0), "bf16": (0.73, 1370.0)}  # (GB/s, µs) through gloo, a group inside the world
@@ -44,7 +44,7 @@ def cpu_cluster(world: int, budget_gb: float, cores: int, precision: str) -> Clu
                    memory_gbps=CPU_COPY_GBPS[sharing], latency_us=latency, dp_gbps=CPU_GLOO_DP_GBPS,
                    shared_cores=cores, whole_world_tp=CPU_SHM_TP[sharing],
                    framework_s_per_layer=CPU_FRAMEWORK_S_PER_LAYER,
-                   zero3_hooks_s_per_layer=CPU_ZERO3_HOOKS_S_PER_LAYER)
+                   zero_hooks_s_per_layer=CPU_ZERO_HOOKS_S_PER_LAYER)
 
 
 def host_memory_gb() -> Optional[float]:

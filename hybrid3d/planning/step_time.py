@@ -12,7 +12,8 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                critical path at one core a rank (slots · compute/m · C/w): the bubble is what the second exceeds
                the first by (`shared_core_bubble`), none where each stage's ranks can fill the cores
     framework = m · the busiest rank's decoder layers · (Python, autograd and DeepSpeed's per-module hooks per layer
-               and micro-batch: `Cluster.framework_s_per_layer`, + `Cluster.zero3_hooks_s_per_layer` at ZeRO-3)
+               and micro-batch: `Cluster.framework_s_per_layer`, + `Cluster.zero_hooks_s_per_layer` of the
+               ZeRO stage)
                · w/C where w ranks share C cores (4/3 with recomputation): seconds a micro-batch costs whatever its
                size, which FLOPs leave out. benchmarks/step_time_check.py measures them on one core (its
                `framework_line`); 0 on GPUs, where the host issues kernels ahead of the device
@@ -22,7 +23,8 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
                + the messages (`traffic.tp_messages`) · the latency of one collective (`Cluster.latency_us`,
                Hockney's α: 0 by default, as NCCL's tens of µs are small against messages of MBs; gloo's on a
                CPU shared by its ranks are milliseconds, benchmarks/step_time_check.py measures them; on the CPU a
-               TP group that is the whole world takes the shared-memory kernel's, `Cluster.whole_world_tp`)
+               TP group that is the whole world takes the shared-memory kernel's for its all-reduces,
+               `Cluster.whole_world_tp`, and gloo's for SP's all-gathers and reduce-scatters)
     cp comm  = logged all-to-all bytes · (u-1)/u / intra-node bandwidth (`traffic.cp_bytes_per_step`), over the
                u ranks of Ulysses (u = c with `context_parallel_comm` "a2a", none with "p2p"), + its all-to-alls
                (`traffic.cp_messages_per_step`) · the latency of one collective (`Cluster.latency_us`)
@@ -93,7 +95,6 @@ from hybrid3d.planning.traffic import (
     pp_gathers_per_micro_batch,
     ring_bytes_per_layer,
     tp_bus_bytes,
-    tp_bytes_by_op,
     tp_messages,
 )
 
@@ -125,10 +126,10 @@ class Cluster:
     # DeepSpeed's shared-memory kernel serves that group only (ds_internals/shm_all_reduce.py); None: the link's
     whole_world_tp: Optional[tuple] = None
     # Seconds of one core a decoder layer's forward + backward costs a micro-batch beyond its FLOPs (Python, autograd,
-    # DeepSpeed's hooks), and what ZeRO-3's parameter hooks add to it: measured on the CPU (planning/machines.py);
-    # 0 on GPUs, where they overlap the device's work (module docstring, framework)
+    # DeepSpeed's hooks) at ZeRO-0, and what the hooks of ZeRO stages 0-3 add to it: measured on the CPU
+    # (planning/machines.py); 0 on GPUs, where they overlap the device's work (module docstring, framework)
     framework_s_per_layer: float = 0.0
-    zero3_hooks_s_per_layer: float = 0.0
+    zero_hooks_s_per_layer: tuple = (0.0, 0.0, 0.0, 0.0)
 
     def ring_gbps(self, tp: int, cp: int) -> float:
         """Bandwidth of a CP ring's neighbour sends. A CP group is t·c consecutive ranks from a multiple of t·c
@@ -293,16 +294,18 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     compute *= 4 / 3 if checkpointing else 1
     compute /= cluster.peak_tflops * 1e12 * cluster.efficiency
     intra = cluster.intra_node_gbps * GB
-    tp_gbps, tp_latency_us = cluster.intra_node_gbps, cluster.latency_us
-    if cluster.whole_world_tp and tp == cluster.gpus:
-        tp_gbps, tp_latency_us = cluster.whole_world_tp
+    link = (cluster.intra_node_gbps, cluster.latency_us)
+    # the all-reduces' (GB/s, µs): on the CPU a TP group that is the whole world takes the shared-memory kernel, which
+    # serves all-reduces only; SP's all-gathers and reduce-scatters keep the link's
+    all_reduce = cluster.whole_world_tp if cluster.whole_world_tp and tp == cluster.gpus else link
 
     def tp_stage_seconds(stages: int, stage: int) -> float:
-        bus = tp_bus_bytes(tp_bytes_by_op(shape, micro_batch, seq, tp, stages, stage, gas, act_bytes, checkpointing,
-                                          sp, cp), tp)
-        messages = sum(count for _, count, _ in tp_messages(shape, micro_batch, seq, tp, stages, stage, gas,
-                                                             act_bytes, checkpointing, sp, cp))
-        return bus / (tp_gbps * GB) + messages * tp_latency_us * 1e-6
+        seconds = 0.0
+        for op, count, size in tp_messages(shape, micro_batch, seq, tp, stages, stage, gas, act_bytes, checkpointing,
+                                           sp, cp):
+            gbps, latency_us = all_reduce if op == "all_reduce" else link
+            seconds += count * (tp_bus_bytes({op: size}, tp) / (gbps * GB) + latency_us * 1e-6)
+        return seconds
 
     tp_seconds = _worst_rank(tp_stage_seconds, schedule, pp, v)
     u = ulysses_size(cp, comm, cp_a2a)  # the ranks of one all-to-all (c with Ulysses alone)
@@ -327,7 +330,7 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
     layers = _worst_rank(lambda S, st: stage_layer_count(shape, S, st), schedule, pp, v)
-    per_layer = cluster.framework_s_per_layer + (cluster.zero3_hooks_s_per_layer if zero == 3 else 0.0)
+    per_layer = cluster.framework_s_per_layer + cluster.zero_hooks_s_per_layer[zero]
     stretch = max(1.0, cluster.gpus / cluster.shared_cores) if cluster.shared_cores else 1.0
     framework = gas * layers * per_layer * stretch * (4 / 3 if checkpointing else 1)
     bubble = (compute + framework) * shared_core_bubble(cluster.gpus, cluster.shared_cores,

@@ -11,8 +11,8 @@ from hybrid3d.config.sections import parse_hybrid_section
 from hybrid3d.errors import ConfigError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.planning.auto_layout import (ENOUGH_HEADROOM, TIE_BAND, apply_choice, auto_keys, choose, decide,
-                                           placeholder_config, read_request, report_lines)
+from hybrid3d.planning.auto_layout import (ENOUGH_HEADROOM, HEADROOM_GRAIN, TIE_BAND, apply_choice, auto_keys, choose,
+                                           decide, placeholder_config, read_request, report_lines)
 from hybrid3d.planning.machines import cpu_cluster
 from hybrid3d.planning.plan_cli import main as plan_main
 from hybrid3d.planning.planner import Choice, Cluster
@@ -91,6 +91,8 @@ def test_tie_band_prefers_headroom():
     safe, safer = row(1.0, 10.0 * (1 - ENOUGH_HEADROOM)), row(1.0 + TIE_BAND / 2, 5.0)
     assert choose([safe, safer], 10.0) is safe
     assert choose([row(1.0, 9.5), row(1.0 + TIE_BAND / 2, 9.2)], 10.0).memory_gb == 9.2  # both short: more room
+    # less than HEADROOM_GRAIN of the budget apart: as safe as each other, the faster estimate wins
+    assert choose([row(1.0, 9.5), row(1.0 + TIE_BAND / 2, 9.5 - HEADROOM_GRAIN * 10.0 / 2)], 10.0).memory_gb == 9.5
 
 
 def test_report_names_the_choice_the_next_rows_and_the_refusals(tiny):
