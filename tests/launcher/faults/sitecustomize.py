@@ -48,17 +48,16 @@ class _PatchAfterImport(importlib.abc.MetaPathFinder):
         return spec
 
 
-def _pause(reason: str) -> None:
-    """Tell the test where this rank is (the marker file) and wait to be killed."""
-    with open(FAULT["marker"], "w") as f:
-        f.write(reason)
-    time.sleep(600)
-
-
 def _mark(reason: str) -> None:
     """Tell the test where this rank is (the marker file), and go on."""
     with open(FAULT["marker"], "w") as f:
         f.write(reason)
+
+
+def _pause(reason: str) -> None:
+    """Tell the test where this rank is (the marker file) and wait to be killed."""
+    _mark(reason)
+    time.sleep(600)
 
 
 def _hold_background_write(signals):
