@@ -5,7 +5,7 @@ from pathlib import Path
 
 
 from tests.distributed.worlds import each_run
-from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
+from tests.distributed.engine_runs import STEPS, ds_config, indexed_micro_batches, micro_batches
 from tests.tiny_llama import load_hf
 from tests.counters import DrawCounter
 
@@ -44,12 +44,14 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
             module.register_forward_pre_hook(lambda _, args: block_inputs.add(tuple(args[0].shape)))
 
     dp_rank, dp = trainer.groups.data_shard()  # the CP ranks of a data shard read the same batches
+    batches, data_summary = (indexed_micro_batches(run["data_prefix"]) if "data_prefix" in run
+                             else (micro_batches, None))
     losses, grad_norms, forwards_per_step = [], [], []
     timeline = InstructionTimeline(trainer.engine) if trainer.uses_pipeline else None
     for step in range(STEPS):
         before = block_forwards[0]
         with SavedActivationProbe(trainer.module.parameters()) as probe:
-            losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
+            losses.append(trainer.train_step(batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         norm = trainer.engine.get_global_grad_norm()  # before clipping
         grad_norms.append(None if norm is None else float(norm))
         forwards_per_step.append(block_forwards[0] - before)
@@ -59,6 +61,7 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     optimizer = trainer.engine.optimizer
     report = {
         "build_draws": build_draws.drawn,
+        "data_summary": data_summary,
         "losses": losses,
         "grad_norms": grad_norms,
         "weights": {k: v.float().cpu() for k, v in gather_hf_state_dict(
