@@ -243,7 +243,8 @@ def train_worlds(root, all_runs) -> dict:
 
 
 def reference(results, run) -> dict:
-    """The HF run a matrix case compares with: on `engine_runs.global_batch`, or on the Megatron documents' windows."""
+    """The HF run a matrix case compares with: on `engine_runs.global_batch`, or on the Megatron documents' windows
+    (`engine_runs.windows`)."""
     return results["ref"][run["case"] + ("-megatron" if run.get("data") == "megatron" else "")]
 
 
