@@ -9,6 +9,7 @@ from common import TRAFFIC_CLASSES, environment_markdown, median
 from hybrid3d.model import LlamaShape
 from hybrid3d.planning.memory import layer_parameter_numels, rank_model_states, rank_parameter_numels
 from hybrid3d.planning.traffic import dp_bytes_per_step, pp_bytes_per_step, tp_bytes_per_step
+from hybrid3d.planning.zero3_fetch import zero3_step_traffic
 from hybrid3d.planning.zero3_memory import offload_states, zero3_model_states
 
 CATEGORIES = ("params", "grads", "master", "optim_states")
@@ -42,6 +43,13 @@ def rel_error(predicted, measured):
     if measured == 0:
         return 0.0 if predicted == 0 else float("inf")
     return (predicted - measured) / measured
+
+
+def zero3_dp_bytes(shape, tp: int, dp: int, gas: int, lp: int) -> int:
+    """ZeRO-3's logged data-parallel bytes of a step with DeepSpeed's stage3_* defaults (zero_compare sets none):
+    the coordinator's all-gathers, the persistent parameters' after the step, the gradient reduce-scatters."""
+    traffic = zero3_step_traffic(shape, tp, dp, gas, lp)
+    return traffic.gather_bytes + traffic.reduce_scatter_bytes
 
 
 def predicted_states(shape, run: dict, stage: int, dp_rank: int, gas: int):
@@ -88,8 +96,8 @@ def build_rows(runs, results, sizes) -> list:
                        rss_base_mb=r["rss_base"] / 2**20, rss_peak_mb=r["rss_peak"] / 2**20)
             theory = {
                 "tp": tp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
-                # ZeRO-3's parameter all-gathers and gradient reduce-scatters are not in the traffic model yet
-                "dp": None if zero == 3 else dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, precision),
+                "dp": (zero3_dp_bytes(shape, tp, dp, gas, lp) if zero == 3
+                       else dp_bytes_per_step(shape, tp, pp, dp, stage, zero, gas, precision)),
                 "pp": pp_bytes_per_step(shape, run["micro_batch"], run["seq"], tp, pp, stage, gas, act_bytes=lp),
             }
             for cls in TRAFFIC_CLASSES:

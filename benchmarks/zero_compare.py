@@ -9,7 +9,7 @@ configuration and rank:
   `hybrid3d.planning.zero3_memory`);
 - peak RSS of the configuration (the kernel's high-water mark, reset before it is built);
 - collective bytes of one step from DeepSpeed's comms logger, split by caller into TP, DP and
-  pipeline traffic, against `hybrid3d.planning.traffic` (ZeRO-3's DP traffic not predicted yet);
+  pipeline traffic, against `hybrid3d.planning.traffic` (ZeRO-3's DP traffic: `planning.zero3_fetch`);
 - step time (median over `--steps` timed steps of every repeat) and tokens/s of the world.
 
     python benchmarks/zero_compare.py --quick

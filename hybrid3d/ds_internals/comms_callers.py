@@ -12,6 +12,7 @@ CALLER_CLASSES = {
     "reduce_scatter_sequence": "tp",
     "allreduce_bucket": "dp", "allreduce_and_copy": "dp", "all_gather_into_tensor_dp_groups": "dp",
     "all_gather_dp_groups": "dp", "average_tensor": "dp", "reduce_scatter_coalesced": "dp",
+    "allgather_fn": "dp", "_allgather_params_coalesced": "dp", "reduce_scatter_fn": "dp",
     "send": "pp", "recv": "pp", "full": "pp_gather", "_exec_reduce_tied_grads": "pp_tied",
     "has_overflow": "control", "get_grad_norm_direct": "control", "get_weight_norm": "control",
     "_model_parallel_all_reduce": "control", "_aggregate_total_loss": "control", "_dp_mean": "control",
@@ -22,3 +23,7 @@ TRAFFIC_CLASSES = ("tp", "dp", "pp", "pp_gather", "pp_tied", "control", "other")
 GRADIENT_REDUCE_CALLERS = {"allreduce_bucket", "allreduce_and_copy", "gradient_reduction_w_predivide", "average_tensor",
                            "buffered_allreduce_fallback", "allreduce_no_retain"}
 PARAMETER_GATHER_CALLERS = {"all_gather_dp_groups", "all_gather_into_tensor_dp_groups"}
+# ZeRO-3's: the parameter coordinator's coalesced all-gathers (and stage3's gather of the persistent parameters after
+# the step), and the gradients' reduce-scatter
+ZERO3_GATHER_CALLERS = {"allgather_fn", "_allgather_params_coalesced"}
+ZERO3_REDUCE_SCATTER_CALLERS = {"reduce_scatter_fn"}

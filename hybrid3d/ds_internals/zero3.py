@@ -11,7 +11,9 @@ that owns `p`. So anything that reads or writes a whole parameter outside that w
 - `gathered` / `written`: one parameter whole for a read or a write (HF weights in, the HF state dict out);
 - `used_outside_forward`: the tied LM head reads the embedding's weight in the top module's forward;
 - `held`: what a rank holds of a parameter (a check that every weight is finite reads it);
-- `full_numel`: a parameter's real size whether partitioned or not.
+- `full_numel`: a parameter's real size whether partitioned or not;
+- `track_available_parameters`: the most elements DeepSpeed's parameter coordinator holds gathered at once (its
+  private count, checked against planning/zero3_fetch.py's replay).
 
 Non-partitioned parameters (ZeRO-0/1/2, or no engine yet) pass through unchanged, so callers need not know the stage.
 """
@@ -87,3 +89,27 @@ def offloaded(optimizer) -> dict:
     (stage 3's `offload_optimizer` / `offload_param`, stages 1-2's `cpu_offload`)."""
     return {"optimizer": bool(getattr(optimizer, "offload_optimizer", getattr(optimizer, "cpu_offload", False))),
             "param": bool(getattr(optimizer, "offload_param", False))}
+
+
+class AvailablePeak:
+    peak = 0
+
+
+@contextlib.contextmanager
+def track_available_parameters(engine):
+    """Inside the block, `.peak` of the yielded object follows the largest number of elements ZeRO-3's parameter
+    coordinator counts as gathered or in flight (`__n_available_params`, read after each module's fetch, where it
+    peaks: releases only lower it). A ZeRO-3 engine only."""
+    coordinator = engine.optimizer.parameter_offload.get_param_coordinator()
+    fetch = coordinator.fetch_sub_module
+    tracked = AvailablePeak()
+
+    def fetch_and_count(module, forward):
+        fetch(module, forward)
+        tracked.peak = max(tracked.peak, coordinator._PartitionedParameterCoordinator__n_available_params)
+
+    coordinator.fetch_sub_module = fetch_and_count
+    try:
+        yield tracked
+    finally:
+        del coordinator.fetch_sub_module  # the class's method again

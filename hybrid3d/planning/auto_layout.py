@@ -34,6 +34,7 @@ from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
 from hybrid3d.planning.offload_plan import NO_OFFLOAD
 from hybrid3d.planning.planner import Choice, plan
 from hybrid3d.planning.step_time import Cluster
+from hybrid3d.planning.zero3_fetch import Zero3Knobs
 
 AUTO = "auto"
 # The hybrid3d section's keys that may be "auto", and the Choice field each decides
@@ -95,6 +96,7 @@ class Request:
     offload: Optional[str]  # the offload the config gives (OFFLOAD_KINDS); None: the planner's choice
     bucket: int = DEFAULT_REDUCE_BUCKET  # zero_optimization.reduce_bucket_size (elements)
     async_checkpoint: bool = False  # hybrid3d.checkpoint.async: its host copy counts as host memory
+    zero3: Zero3Knobs = Zero3Knobs()  # zero_optimization.stage3_*: what ZeRO-3 rows gather and hold
 
 
 def open_fields(keys: list[str]) -> set:
@@ -151,7 +153,7 @@ def read_request(raw: dict, keys: list[str]) -> Request:
     checkpoint = section.get("checkpoint") if isinstance(section.get("checkpoint"), dict) else {}
     return Request(frozenset(fields), fixed, tbs, seq, precision, section.get("virtual_pipeline_size"),
                    section.get("pipeline_zero2"), offload, int(zero.get("reduce_bucket_size", DEFAULT_REDUCE_BUCKET)),
-                   bool(checkpoint.get("async", False)))
+                   bool(checkpoint.get("async", False)), Zero3Knobs.from_zero_config(zero))
 
 
 def _accepts(request: Request, choice: Choice) -> bool:
@@ -187,7 +189,7 @@ def decide(shape: LlamaShape, cluster: Cluster, request: Request, offload: bool)
     rows, refused = plan(shape, cluster, request.seq, request.global_batch, request.bucket, sequence_parallel=True,
                          context_parallel=True, schedules=True, least=least, precision=request.precision,
                          accept=lambda c: _accepts(request, c), offload=offload_rows,
-                         async_checkpoint=request.async_checkpoint)
+                         async_checkpoint=request.async_checkpoint, zero3=request.zero3)
     if not rows:
         given = ", ".join(f"{k}={v}" for k, v in sorted(request.fixed.items())) or "nothing"
         if least:

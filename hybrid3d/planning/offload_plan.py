@@ -13,7 +13,8 @@ accumulates on the host); the others keep the planner's precision (`planner.plan
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.activations import activation_bytes
 from hybrid3d.planning.memory import compute_bytes, rank_model_states
-from hybrid3d.planning.parameters import layer_parameter_numels, rank_parameter_numels
+from hybrid3d.planning.parameters import rank_parameter_numels
+from hybrid3d.planning.zero3_fetch import Zero3Knobs
 from hybrid3d.planning.zero3_memory import live_parameter_bytes, offload_states, zero3_model_states
 
 NO_OFFLOAD = "none"
@@ -36,16 +37,16 @@ def offload_options(shape: LlamaShape, pp: int, zero: int) -> tuple[str, ...]:
 def worst_rank_placed(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, offload: str,
                       checkpointing: bool, b: int, s: int, gas: int, bucket: int, sp: bool = False, cp: int = 1,
                       schedule: str = "1f1b", v: int = 1, comm: str = "a2a",
-                      cp_a2a: int = 1) -> tuple[float, float, float]:
+                      cp_a2a: int = 1, zero3: Zero3Knobs = Zero3Knobs()) -> tuple[float, float, float]:
     """(device model states, activations, host bytes) of the pipeline rank with the most device memory, for ZeRO-3
-    (p = 1; the gathered layers counted with the states) or an offloading ZeRO-1/2 row; ZeRO over nd = d·c ranks."""
+    (p = 1; the gathered parameters, by its `zero3` knobs, counted with the states) or an offloading ZeRO-1/2 row;
+    ZeRO over nd = d·c ranks."""
     worst = (0.0, 0.0, 0.0)
     for rank in range(pp):
         numels = rank_parameter_numels(shape, tp, pp, rank, schedule, v)
         if zero == 3:
-            placed = zero3_model_states(numels, nd, precision, bucket, offload=offload)
-            layers = [sum(sizes) for _, sizes in layer_parameter_numels(shape, tp)]
-            device = placed.device_bytes + live_parameter_bytes(layers, precision)
+            placed = zero3_model_states(numels, nd, precision, bucket, zero3.persistence_threshold, offload)
+            device = placed.device_bytes + live_parameter_bytes(shape, tp, precision, zero3)
         else:
             dp_ranks = (0, nd - 1) if zero == 2 else (0,)  # ZeRO-2's gradient partition depends on the DP rank
             placed = max((offload_states(rank_model_states(shape, tp, pp, nd, zero, precision, rank, r, gas, bucket,

@@ -19,6 +19,7 @@ from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
 from hybrid3d.planning.plan_format import format_longest, format_plan
 from hybrid3d.planning.planner import Choice, longest_sequence, plan
 from hybrid3d.planning.step_time import Cluster
+from hybrid3d.planning.zero3_fetch import ZERO3_KNOB_KEYS, Zero3Knobs
 
 
 def load_shape(model: str) -> LlamaShape:
@@ -65,6 +66,11 @@ def main(argv=None) -> int:
     parser.add_argument("--peak-tflops", type=_positive(float), default=None,
                         help="peak bf16 TFLOP/s per GPU (default: H100's 989.4)")
     parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
+    for field, key in ZERO3_KNOB_KEYS.items():
+        default = getattr(Zero3Knobs(), field)
+        parser.add_argument("--" + key.replace("_", "-"), dest=field, type=non_negative_int, default=default,
+                            metavar="ELEMENTS", help=f"ZeRO-3 rows: DeepSpeed's zero_optimization.{key} "
+                                                     f"(default {default:.0e}; --write-config writes it)")
     parser.add_argument("--host-memory", type=parse_gigabytes, default=None,
                         help="GB of host memory per node for offloaded states (default: not checked)")
     parser.add_argument("--async-checkpoint", action="store_true",
@@ -127,7 +133,7 @@ def main(argv=None) -> int:
     least = []
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
                              sequence_parallel=True, context_parallel=True, schedules=True, least=least,
-                             async_checkpoint=args.async_checkpoint)
+                             async_checkpoint=args.async_checkpoint, zero3=_zero3_knobs(args))
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences{lora}")
     if args.lora_rank:
@@ -146,6 +152,10 @@ def main(argv=None) -> int:
     return 0
 
 
+def _zero3_knobs(args) -> Zero3Knobs:
+    return Zero3Knobs(**{field: getattr(args, field) for field in ZERO3_KNOB_KEYS})
+
+
 def write_config(args, shape: LlamaShape, feasible: list[Choice], seq: int) -> None:
     """--write-config: the chosen row as a config (`auto_layout.config_for_row`), written whole or not at all."""
     from hybrid3d.config.sections import read_json
@@ -158,6 +168,8 @@ def write_config(args, shape: LlamaShape, feasible: list[Choice], seq: int) -> N
         model = {"preset": args.model}
     chosen = choose(feasible, args.gpu_memory)
     config = config_for_row(base, chosen, model, seq, args.global_batch)
+    if chosen.zero == 3:
+        config["zero_optimization"].update(_zero3_knobs(args).as_zero_config())
     if args.lora_rank:
         config["hybrid3d"]["lora"] = {**config["hybrid3d"].get("lora", {}), "rank": args.lora_rank,
                                       "target_modules": list(shape.lora_targets)}

@@ -67,6 +67,7 @@ from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner'
 from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora  # noqa: F401
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET, GB, worst_rank_bytes
 from hybrid3d.planning.offload_plan import NO_OFFLOAD, offload_options, worst_rank_placed, zero3_allowed
+from hybrid3d.planning.zero3_fetch import Zero3Knobs
 from hybrid3d.planning.plan_format import format_longest, format_plan  # noqa: F401 (the command line prints them)
 from hybrid3d.planning.step_time import Cluster, StepTime, bubble_fraction, estimate_step_time, pipe_seconds  # noqa
 
@@ -123,14 +124,14 @@ def planned_precision(zero: int, offload: str = NO_OFFLOAD) -> str:
 def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
                 seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b", v: int = 1,
                 comm: str = "a2a", cp_a2a: int = 1, offload: str = NO_OFFLOAD,
-                precision: Optional[str] = None) -> tuple[float, float, float]:
+                precision: Optional[str] = None, zero3: Zero3Knobs = Zero3Knobs()) -> tuple[float, float, float]:
     """(device model states, activations, host bytes) of the worst rank at `precision` (None: the planned one), ZeRO
     over the d·c ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2), or for ZeRO-3 and offload
     `offload_plan.worst_rank_placed`."""
     precision = precision or planned_precision(zero, offload)
     if zero == 3 or offload != NO_OFFLOAD:
         return worst_rank_placed(shape, tp, pp, dp * cp, zero, precision, offload, checkpointing, micro_batch, seq,
-                                 gas, bucket, sp, cp, schedule, v, comm, cp_a2a)
+                                 gas, bucket, sp, cp, schedule, v, comm, cp_a2a, zero3)
     return (*worst_rank_bytes(shape, tp, pp, dp * cp, zero, precision, checkpointing, micro_batch, seq, gas, bucket,
                               sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a), 0.0)
 
@@ -149,17 +150,19 @@ def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bo
 def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, checkpointing: bool,
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
              schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
-             offload: str = NO_OFFLOAD, precision: Optional[str] = None, async_checkpoint: bool = False) -> Choice:
+             offload: str = NO_OFFLOAD, precision: Optional[str] = None, async_checkpoint: bool = False,
+             zero3: Zero3Knobs = Zero3Knobs()) -> Choice:
     """One option's memory and step time; `precision`: a run's own (None: `planned_precision`);
-    `async_checkpoint`: the host copy of an asynchronous save counts in `host_gb` (planning/checkpoint_copy.py)."""
+    `async_checkpoint`: the host copy of an asynchronous save counts in `host_gb` (planning/checkpoint_copy.py);
+    `zero3`: DeepSpeed's stage3_* knobs a ZeRO-3 row runs with (planning/zero3_fetch.py)."""
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
     run_precision, precision = precision, precision or planned_precision(zero, offload)
     states, acts, host = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
-                                     schedule, virtual, comm, cp_a2a, offload, precision)
+                                     schedule, virtual, comm, cp_a2a, offload, precision, zero3)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
                               sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
-                              cp_a2a=cp_a2a, offload=offload)
+                              cp_a2a=cp_a2a, offload=offload, zero3=zero3)
     memory = states + acts + cluster.reserve_gb * GB
     if async_checkpoint:
         host += async_copy_bytes(shape, tp, pp, dp * cp, zero, precision, schedule, virtual)
@@ -192,7 +195,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
          sequence_parallel: bool = False, context_parallel: bool = False,
          schedules: bool = False, least: Optional[list] = None, precision: Optional[str] = None,
          accept: Optional[Callable[[Choice], bool]] = None, offload: bool = True,
-         async_checkpoint: bool = False) -> tuple[list[Choice], list[str]]:
+         async_checkpoint: bool = False, zero3: Zero3Knobs = Zero3Knobs()) -> tuple[list[Choice], list[str]]:
     """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
     per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
     `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
@@ -200,7 +203,8 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
     the 1F1B 3D layouts it always did). `least`: receives the least-memory option refused for memory.
     A run's "auto" (`planning.auto_layout`): `precision`, its own for every row (None: `planned_precision`);
     `accept`, the options its given keys allow (the others are neither rows nor refusals); `offload`, False where
-    offload cannot help (the CPU). `async_checkpoint`: asynchronous saves' host copy counts as host memory."""
+    offload cannot help (the CPU). `async_checkpoint`: asynchronous saves' host copy counts as host memory.
+    `zero3`: the stage3_* knobs of the ZeRO-3 rows (DeepSpeed's defaults unless given)."""
     feasible, refused = [], []
     for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel):
         if reason is None and seq % cp:
@@ -211,7 +215,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
         for zero in _zero_stages(shape, pp, dp * cp):
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
-                                offload=kind, precision=precision, async_checkpoint=async_checkpoint)
+                                offload=kind, precision=precision, async_checkpoint=async_checkpoint, zero3=zero3)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
                        for kind in (offload_options(shape, pp, zero) if offload else (NO_OFFLOAD,))]

@@ -40,11 +40,13 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     optimizer = the parameters a rank steps (its stages' Ψ, / d·c when ZeRO shards the master) · the bytes Adam
                reads and writes per parameter (`OPTIMIZER_BYTES`) / memory bandwidth: the step is memory-bound
                (a handful of FLOPs per 28-36 bytes moved): about 1% of a 7B step on H100s, several percent on CPUs.
-    ZeRO-3 (p = 1): dp comm = m · 3 · lp·Ψ · (n-1)/n / bandwidth instead: each micro-batch all-gathers the weights
-               for its forward and again for its backward and reduce-scatters the gradients (Rajbhandari et al.
-               2020, §7.2.1: 1.5x ZeRO-1/2's volume), counted as not overlapped, though DeepSpeed prefetches;
-               + m · 2 gathers of each partitioned parameter (larger than stage3_param_persistence_threshold)
-               · the latency of one collective (`Cluster.latency_us`).
+    ZeRO-3 (p = 1): dp comm = (all-gathered partitions · (n-1) + m · lp·Ψ · (n-1)/n) / bandwidth instead:
+               what DeepSpeed's parameter coordinator all-gathers per micro-batch, replayed with its stage3_*
+               knobs (`zero3_fetch.zero3_step_traffic`: between 1x and 2x the weights, as many layers stay
+               gathered from their forward to their backward; Rajbhandari et al. 2020, §7.2.1 count 2x), the
+               persistent parameters' gather after the step and every micro-batch's gradient reduce-scatter,
+               counted as not overlapped, though DeepSpeed prefetches; + its all-gathers and one reduce-scatter
+               per micro-batch · the latency of one collective (`Cluster.latency_us`).
     offload  = with offload_optimizer the step runs on the host: its partition (Ψ/n elements) / the host's Adam
                rate (`Cluster.host_adam_gelems`) + the partition's lp gradients down and lp weights up the host
                link (2·lp·Ψ/n / `Cluster.pcie_gbps`); with offload_param each micro-batch's forward and backward
@@ -85,7 +87,7 @@ from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
 from hybrid3d.planning.activations import rank_stages, stage_layer_count, ulysses_size, uses_ring
 from hybrid3d.planning.flops import training_flops_per_token
 from hybrid3d.planning.memory import GB, TORCH, UNFUSED, optimizer_wrapper, stage_parameter_numels
-from hybrid3d.planning.zero3_memory import DEFAULT_PERSISTENCE_THRESHOLD
+from hybrid3d.planning.zero3_fetch import Zero3Knobs, zero3_step_traffic
 from hybrid3d.planning.traffic import (
     cp_bytes_per_step,
     cp_messages_per_step,
@@ -275,7 +277,7 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
                        checkpointing: bool = False, pipe_partitioned: bool = True,
                        grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1,
                        schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
-                       offload: str = "none") -> StepTime:
+                       offload: str = "none", zero3: Zero3Knobs = Zero3Knobs()) -> StepTime:
     """Estimated seconds of one training step (the planner's model, module docstring) of `shape` on
     `cluster` (peak, efficiency, intra/inter-node bandwidth, GPUs per node) with layout tp x pp x dp x cp,
     ZeRO stage `zero`, `micro_batch` sequences of `seq` tokens per micro-batch, `gas` micro-batches per
@@ -285,8 +287,8 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     when tp > 1 and are off with SP and with the interleaved and DualPipeV schedules), Megatron
     `sequence_parallel`, context parallelism `cp` by `comm` (context_parallel_comm: "a2a" Ulysses, "p2p" ring
     attention, "a2a+p2p" Ulysses over `cp_a2a` ranks around a ring) and the pipeline `schedule` ("1f1b",
-    "interleaved" with `virtual` = v chunks per rank, "dualpipev"); ZeRO-3 (`zero` 3, p = 1) and `offload` (one of
-    "none", "optimizer", "optimizer+params") as the module docstring says.
+    "interleaved" with `virtual` = v chunks per rank, "dualpipev"); ZeRO-3 (`zero` 3, p = 1, its stage3_* knobs
+    `zero3`) and `offload` (one of "none", "optimizer", "optimizer+params") as the module docstring says.
     `.seconds` is the total; it is meant for comparing with measured step times."""
     act_bytes = 4 if precision == "fp32" else 2
     sp, v = sequence_parallel, virtual
@@ -320,10 +322,12 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     dp_bandwidth = cluster.intra_node_gbps if tp * pp * zero_group <= cluster.gpus_per_node else cluster.inter_node_gbps
     dp_bandwidth = cluster.dp_gbps or dp_bandwidth
     if zero == 3:
-        numels = stage_parameter_numels(shape, tp, 1, 0)  # the rank's TP shard
-        gathered = sum(1 for n in numels if n > DEFAULT_PERSISTENCE_THRESHOLD)  # partitioned: fetched per module run
-        dp_seconds = gas * 3 * sum(numels) * act_bytes * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
-        dp_seconds += gas * 2 * gathered * cluster.latency_us * 1e-6 if zero_group > 1 else 0.0
+        traffic = zero3_step_traffic(shape, tp, zero_group, gas, act_bytes, zero3)
+        # an all-gather of m elements a rank moves m·(n-1) to each rank, a reduce-scatter of M moves M·(n-1)/n
+        moved = (traffic.gather_bytes * (zero_group - 1)
+                 + traffic.reduce_scatter_bytes * (zero_group - 1) / zero_group)
+        dp_seconds = moved / (dp_bandwidth * GB)
+        dp_seconds += (traffic.gather_calls + gas) * cluster.latency_us * 1e-6 if zero_group > 1 else 0.0
     else:
         dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
                                 schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)

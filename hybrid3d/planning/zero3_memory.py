@@ -28,15 +28,18 @@ tensor); `offload_param: cpu` (ZeRO-3 only) moves the lp partitions too. What st
 persistent parameters, and the parameters gathered for the layers being computed. With ZeRO-1/2 the optimizer's
 fp32 partition, its gradient and the moments go to the host the same way (`offload_states` below).
 
-Gathered ("live") parameters, device only, between the steps: the layer being computed, whole (its TP shard), and
-what the prefetcher fetched ahead, up to stage3_prefetch_bucket_size elements (default 5e7), capped by
-stage3_max_live_parameters (default 1e9): `live_parameter_bytes`, an estimate the probe does not measure (the
-gathered tensors are freed as soon as their module has run, so no snapshot sees the largest set).
+Gathered ("live") parameters, device only, during the forward and backward: the most elements DeepSpeed's
+parameter coordinator holds gathered at once, as `zero3_fetch` replays it (the module running, what the prefetcher
+fetched ahead within stage3_prefetch_bucket_size and stage3_max_live_parameters, and what stays gathered because
+it is used again within stage3_max_reuse_distance): `live_parameter_bytes`. The probe's snapshots do not see them
+(they are freed as their modules finish); tests/distributed/test_zero3_memory.py checks the replay against the
+coordinator's own count.
 """
 
 import math
 from dataclasses import dataclass
 
+from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.memory import (
     ModelStates,
     RankModelStates,
@@ -44,11 +47,9 @@ from hybrid3d.planning.memory import (
     compute_bytes,
     params_in_partition,
 )
+from hybrid3d.planning.zero3_fetch import DEFAULT_PERSISTENCE_THRESHOLD, Zero3Knobs, replayed
 
 ZERO3 = "DeepSpeedZeroOptimizer_Stage3"
-DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (elements)
-DEFAULT_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size (elements)
-DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters (elements)
 OFFLOAD_CHOICES = ("none", "optimizer", "optimizer+params")  # the planner's `offload` column
 
 
@@ -131,10 +132,7 @@ def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: in
     return PlacedStates(placed, host, host)
 
 
-def live_parameter_bytes(layer_numels: list[int], precision: str, prefetch_bucket: int = DEFAULT_PREFETCH_BUCKET,
-                         max_live: int = DEFAULT_MAX_LIVE_PARAMETERS) -> int:
-    """Device bytes of the parameters ZeRO-3 holds gathered while a layer runs (estimate, module docstring): the
-    largest layer whole (`layer_numels`: each layer's elements on this TP rank) and up to `prefetch_bucket` elements
-    of the next, at most `max_live` elements."""
-    largest = max(layer_numels)
-    return compute_bytes(precision) * min(max_live, largest + min(prefetch_bucket, largest))
+def live_parameter_bytes(shape: LlamaShape, tp: int, precision: str, knobs: Zero3Knobs = Zero3Knobs()) -> int:
+    """Device bytes of the parameters ZeRO-3 holds gathered at most during a micro-batch on one TP rank (module
+    docstring; persistent parameters are counted with the model states)."""
+    return compute_bytes(precision) * replayed(shape, tp, knobs)[1].peak_available

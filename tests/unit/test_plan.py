@@ -19,6 +19,8 @@ from hybrid3d.planning.planner import (
     plan,
     sequence_unit,
 )
+from hybrid3d.planning.zero3_fetch import Zero3Knobs
+from hybrid3d.planning.zero3_memory import live_parameter_bytes
 
 PSI_8B = 8_030_261_248  # Llama 3 8B parameters
 
@@ -56,10 +58,16 @@ def test_zero3_and_offload_rows(llama3_8b):
     assert {c.zero for c in feasible} >= {1, 3}
     zero3 = next(c for c in feasible if c.zero == 3 and c.offload == "optimizer")
     assert zero3.host_gb == pytest.approx(18 * PSI_8B / 1e9)
-    largest_layer = 128_256 * 4096  # the embedding (and the head), gathered whole, plus the 5e7-element prefetch
+    # the parameters gathered at once: DeepSpeed's coordinator replayed (planning/zero3_fetch.py, checked against
+    # DeepSpeed in tests/distributed/test_zero3_memory.py); with the default 1e9-element live cap its prefetcher runs
+    # ahead of the forward by up to 1e9 elements, more than the embedding and head layers of 5.3e8 the module runs
+    live = live_parameter_bytes(llama3_8b, 1, "bf16")
+    assert 2 * 1e9 < live < 2 * 1.6e9
     norms = (2 * 32 + 1) * 4096  # persistent (below 1e5 elements): whole between the steps
-    assert zero3.states_gb == pytest.approx((2 * PSI_8B + 2 * DEFAULT_REDUCE_BUCKET + 2 * (largest_layer + 5e7)
-                                             + 2 * norms) / 1e9)
+    assert zero3.states_gb == pytest.approx((2 * PSI_8B + 2 * DEFAULT_REDUCE_BUCKET + live + 2 * norms) / 1e9)
+    # a lower cap (DeepSpeed's stage3_max_live_parameters) holds about the module running and one prefetch
+    capped = live_parameter_bytes(llama3_8b, 1, "bf16", Zero3Knobs(max_live=10**8))
+    assert 2 * 128_256 * 4096 < capped < 2 * (128_256 * 4096 + 5e7 + 2.2e8)
     assert plan(llama3_8b, Cluster(gpus=1, gpu_memory_gb=80, host_memory_gb=100), 4096, 8)[0] == []
     eight = Cluster(gpus=8, gpu_memory_gb=80)
     rows, _ = plan(llama3_8b, eight, seq=4096, global_batch=512, sequence_parallel=True, schedules=True)

@@ -252,6 +252,7 @@ def test_gpu_recipe_is_a_fastest_fitting_row_of_the_planner(name):
     from hybrid3d.planning.flops import peak_tflops
     from hybrid3d.planning.planner import plan
     from hybrid3d.planning.step_time import Cluster
+    from hybrid3d.planning.zero3_fetch import Zero3Knobs
 
     raw = json.loads((REPO / "ds_configs" / name).read_text())
     gpus, memory, per_node = RECIPE_CLUSTERS[name]
@@ -260,7 +261,8 @@ def test_gpu_recipe_is_a_fastest_fitting_row_of_the_planner(name):
     parsed, layout = run.config, run.layout
     cluster = Cluster(gpus=gpus, gpu_memory_gb=memory, gpus_per_node=per_node, peak_tflops=peak_tflops("H100"))
     feasible, _ = plan(shape, cluster, parsed.hybrid.data.seq_length, parsed.sequences_per_step,
-                       sequence_parallel=True, context_parallel=True, schedules=True)
+                       sequence_parallel=True, context_parallel=True, schedules=True,
+                       zero3=Zero3Knobs.from_zero_config(raw["zero_optimization"]))  # its stage3_* knobs
     recipe = dict(tp=layout.tp, pp=layout.pp, cp=layout.cp, dp=layout.dp, zero=parsed.zero_stage,
                   checkpointing=parsed.checkpoint_interval > 0, micro_batch=parsed.micro_batch_size,
                   sp=parsed.hybrid.sequence_parallel, schedule=parsed.hybrid.pipeline_schedule)
