@@ -125,6 +125,9 @@ def census(module: torch.nn.Module, optimizer, extra_grads=()) -> StateBytes:
                 claim(category, [t for path, t in found if not (category == "master" and _is_grad_path(path))], name)
                 if category == "master":  # the master partition's gradient (ZeRO-3 offload holds it between steps)
                     claim("grads", [t for path, t in found if _is_grad_path(path)], name + ".grad")
+    # ZeRO-3's partitions: the trainable ones are views of the wrapper's flat buffer (claimed above), a frozen
+    # parameter's (LoRA's base) is its own tensor
+    claim("params", [p.ds_tensor for p in params if hasattr(p, "ds_tensor")], "param.ds_tensor")
     claim("grads", [p.grad for p in params], "param.grad")
     claim("grads", [getattr(p, "grad_accum", None) for p in params], "param.grad_accum")
     claim("grads", list(extra_grads), "extra_grads")

@@ -24,7 +24,7 @@ def lora_line(shape: LlamaShape) -> str:
     """What a LoRA plan trains and freezes, for the command line's header."""
     return (f"LoRA rank {shape.lora_rank} on {', '.join(shape.lora_targets)}: {adapter_parameters(shape) / 1e6:.2f}M "
             f"adapter parameters trained; the {model_parameters(shape) / 1e9:.2f}B base frozen (bf16, no gradients "
-            "or optimizer states, not sharded by ZeRO); rel.time: full fine-tuning's step-time model")
+            "or optimizer states; partitioned only by ZeRO-3); rel.time: full fine-tuning's step-time model")
 
 
 def non_negative_int(text):

@@ -2,8 +2,9 @@
 device and host bytes for them (planning/zero3_memory.py's model of DeepSpeed's tensors).
 
 Options (`offload_options`), as the trainer accepts them (config/support.check_zero3, config/ds_checks.check_offload):
-- ZeRO-3 without a pipeline, not for a mixture-of-experts model, the chunked loss or LoRA (the frozen base's
-  partitions are not modelled yet): no offload, `offload_optimizer`, or `offload_optimizer` + `offload_param`;
+- ZeRO-3 without a pipeline, not for a mixture-of-experts model or the chunked loss: no offload,
+  `offload_optimizer`, or `offload_optimizer` + `offload_param` (with LoRA no offload: the adapters' states are
+  small, the frozen base is partitioned like every weight);
 - ZeRO-1 (any pipeline) and ZeRO-2 without a pipeline: `offload_optimizer` too (pipeline_zero2 refuses offload);
 - ZeRO-0: none. LoRA rows keep to no offload.
 Offload rows plan bf16 gradient accumulation (DeepSpeed then takes DeepSpeedZeroOptimizer, whose offload path
@@ -13,16 +14,21 @@ accumulates on the host); the others keep the planner's precision (`planner.plan
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.activations import activation_bytes
 from hybrid3d.planning.memory import compute_bytes, rank_model_states
-from hybrid3d.planning.parameters import rank_parameter_numels
+from hybrid3d.planning.parameters import rank_adapter_numels, rank_parameter_numels
 from hybrid3d.planning.zero3_fetch import Zero3Knobs
-from hybrid3d.planning.zero3_memory import live_parameter_bytes, offload_states, zero3_model_states
+from hybrid3d.planning.zero3_memory import (
+    live_parameter_bytes,
+    lora_zero3_model_states,
+    offload_states,
+    zero3_model_states,
+)
 
 NO_OFFLOAD = "none"
 
 
 def zero3_allowed(shape: LlamaShape, pp: int) -> bool:
-    """ZeRO-3 is a planner option: no pipeline, a dense model, the loss in one piece, full fine-tuning."""
-    return pp == 1 and not shape.is_moe and not shape.loss_chunk_tokens and not shape.lora_rank
+    """ZeRO-3 is a planner option: no pipeline, a dense model, the loss in one piece."""
+    return pp == 1 and not shape.is_moe and not shape.loss_chunk_tokens
 
 
 def offload_options(shape: LlamaShape, pp: int, zero: int) -> tuple[str, ...]:
@@ -44,7 +50,11 @@ def worst_rank_placed(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, p
     worst = (0.0, 0.0, 0.0)
     for rank in range(pp):
         numels = rank_parameter_numels(shape, tp, pp, rank, schedule, v)
-        if zero == 3:
+        if zero == 3 and shape.lora_rank:
+            placed = lora_zero3_model_states(numels, rank_adapter_numels(shape, tp, 1, 0), nd, precision, bucket,
+                                             zero3.persistence_threshold)
+            device = placed.device_bytes + live_parameter_bytes(shape, tp, precision, zero3)
+        elif zero == 3:
             placed = zero3_model_states(numels, nd, precision, bucket, zero3.persistence_threshold, offload)
             device = placed.device_bytes + live_parameter_bytes(shape, tp, precision, zero3)
         else:

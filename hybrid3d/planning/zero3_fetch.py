@@ -26,7 +26,7 @@ import math
 from dataclasses import dataclass
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import kv_rows_per_rank
+from hybrid3d.model.tp_plan import kv_rows_per_rank, lora_factor_shapes, lora_weights
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (elements)
@@ -81,23 +81,35 @@ class MicroBatchFetch:
     peak_available: int  # the most elements available (gathered or in flight) at once, persistent ones excluded
 
 
-def module_tree(shape: LlamaShape, t: int) -> tuple[list[int], Module]:
-    """(numel of each parameter on one TP rank, the model's module tree) for a dense model without a pipeline, as
+def module_tree(shape: LlamaShape, t: int) -> tuple[list[int], list[bool], Module]:
+    """(numel of each parameter on one TP rank, whether it trains, the model's module tree) for a dense model
+    without a pipeline, as
     hybrid3d builds it (model/llama.py, layers.py, attention.py, mlp.py), keeping the modules DeepSpeed's hooks
     fire for: the top module runs the embedding, the decoder blocks, the final norm and the head; a block runs its
     input norm, the attention (q/k/v are gathered for it; it runs the q/k norms, the core and o), the
     post-attention norm and the MLP (gate and up; it runs down). A tied head reads the embedding's weight in the
-    top module's forward, so that weight belongs to the top module."""
+    top module's forward, so that weight belongs to the top module. LoRA adapters (`shape.lora_rank`) are read by
+    the module that reads their base weight: A and B of q/k/v by the attention, of gate/up by the MLP, of o and
+    down by o and down; only they train, the base is frozen."""
     if shape.is_moe:
         raise ValueError("ZeRO-3 fetching is modelled for dense models only (ZeRO-3 refuses mixture-of-experts)")
     h, d = shape.hidden_size, shape.head_dim
     q, kv = shape.num_heads * d // t, kv_rows_per_rank(shape, t)
     f = shape.intermediate_size // t
     numels: list[int] = []
+    trains: list[bool] = []
 
-    def params(*sizes: int) -> tuple[int, ...]:
+    def params(*sizes: int, adapter: bool = False) -> tuple[int, ...]:
         numels.extend(sizes)
+        trains.extend([adapter or not shape.lora_rank] * len(sizes))
         return tuple(range(len(numels) - len(sizes), len(numels)))
+
+    # A, B sizes beside each base projection on this TP rank (model/tp_plan.py), in HF order
+    adapters = {base.split(".")[-2]: [a * b for a, b in lora_factor_shapes(base, shape, t, shape.lora_rank)]
+                for _, _, base in lora_weights(shape, shape.lora_targets)} if shape.lora_rank else {}
+
+    def with_adapters(ids: tuple[int, ...], *projections: str) -> tuple[int, ...]:
+        return ids + params(*[n for p in projections for n in adapters.get(p, [])], adapter=True)
 
     tied = shape.tie_word_embeddings
     embedding = params(padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) // t * h)
@@ -105,16 +117,19 @@ def module_tree(shape: LlamaShape, t: int) -> tuple[list[int], Module]:
     for _ in range(shape.num_layers):
         bias = shape.qkv_bias
         input_norm = Module(params(h))
-        qkv = params(q * h, *[q] * bias, kv * h, *[kv] * bias, kv * h, *[kv] * bias)
+        qkv = with_adapters(params(q * h, *[q] * bias, kv * h, *[kv] * bias, kv * h, *[kv] * bias),
+                            "q_proj", "k_proj", "v_proj")
         qk_norms = (Module(params(d)), Module(params(d))) if shape.qk_norm else ()
-        attention = Module(qkv, (*qk_norms, Module(()), Module(params(h * q))))  # ..., the core, o
+        o = Module(with_adapters(params(h * q), "o_proj"))
+        attention = Module(qkv, (*qk_norms, Module(()), o))  # ..., the core, o
         post_norm = Module(params(h))
-        mlp = Module(params(f * h, f * h), (Module(params(h * f)),))  # gate, up; down
+        down = Module(with_adapters(params(h * f), "down_proj"))
+        mlp = Module(with_adapters(params(f * h, f * h), "gate_proj", "up_proj"), (down,))
         blocks.append(Module((), (input_norm, attention, post_norm, mlp)))
     final_norm = Module(params(h))
     head = Module(() if tied else params(numels[embedding[0]]))
     top = Module(embedding if tied else (), (Module(() if tied else embedding), *blocks, final_norm, head))
-    return numels, top
+    return numels, trains, top
 
 
 def _events(module: Module, backward: bool) -> list[tuple[str, Module]]:
@@ -184,10 +199,11 @@ def partition_numel(numel: int, nd: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)  # a memo of a pure function: the planner asks for each layout's rows many times
-def replayed(shape: LlamaShape, tp: int, knobs: Zero3Knobs = Zero3Knobs()) -> tuple[tuple[int, ...], MicroBatchFetch]:
-    """(parameter sizes on one TP rank, one micro-batch's fetching) of `shape`."""
-    numels, top = module_tree(shape, tp)
-    return tuple(numels), replay_micro_batch(numels, top, knobs)
+def replayed(shape: LlamaShape, tp: int,
+             knobs: Zero3Knobs = Zero3Knobs()) -> tuple[tuple[int, ...], tuple[bool, ...], MicroBatchFetch]:
+    """(parameter sizes on one TP rank, whether each trains, one micro-batch's fetching) of `shape`."""
+    numels, trains, top = module_tree(shape, tp)
+    return tuple(numels), tuple(trains), replay_micro_batch(numels, top, knobs)
 
 
 @dataclass(frozen=True)
@@ -207,12 +223,14 @@ def zero3_step_traffic(shape: LlamaShape, tp: int, nd: int, gas: int, lp: int,
     dtype, in which DeepSpeed gathers the weights and reduces the gradients). Each micro-batch replays the
     coordinator (`replay_micro_batch`) and reduce-scatters every gradient; after the step the persistent
     parameters, which the step updated in their partitions, are all-gathered one collective each
-    (stage3.py's `_post_step`). Over one rank (nd = 1) DeepSpeed gathers nothing."""
-    numels, fetch = replayed(shape, tp, knobs)
+    (stage3.py's `_post_step`). Over one rank (nd = 1) DeepSpeed gathers nothing. With LoRA only the adapters'
+    gradients are reduced."""
+    numels, trains, fetch = replayed(shape, tp, knobs)
     persistent = [n for n in numels if n <= knobs.persistence_threshold]
     gathers, calls = 0, 0
     if nd > 1:
         gathers = gas * sum(partition_numel(numels[p], nd) for p in fetch.gathered)
         gathers += sum(partition_numel(n, nd) for n in persistent)
         calls = gas * fetch.collectives + len(persistent)
-    return Zero3Traffic(lp * gathers, calls, gas * lp * sum(numels), fetch.peak_available)
+    reduced = sum(n for n, trains_it in zip(numels, trains) if trains_it)
+    return Zero3Traffic(lp * gathers, calls, gas * lp * reduced, fetch.peak_available)

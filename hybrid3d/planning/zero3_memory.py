@@ -105,6 +105,25 @@ def zero3_model_states(numels: list[int], nd: int, precision: str, reduce_bucket
     return PlacedStates(RankModelStates(boundary, step, ZERO3), host, host_boundary)
 
 
+def lora_zero3_model_states(base_numels: list[int], adapter_numels: list[int], nd: int, precision: str,
+                            reduce_bucket_size: int, persistence_threshold: int = DEFAULT_PERSISTENCE_THRESHOLD,
+                            gathered_numel: int = 0) -> PlacedStates:
+    """LoRA under ZeRO-3: the adapters' ZeRO-3 model states (only they reach DeepSpeed's optimizer,
+    `zero3_model_states`) and the frozen base, partitioned by `zero.Init` like every parameter: its lp partitions,
+    and persistent tensors whole beside them; no gradient, master or optimizer state. No offload."""
+    placed = zero3_model_states(adapter_numels, nd, precision, reduce_bucket_size, persistence_threshold,
+                                gathered_numel=gathered_numel)
+    frozen = compute_bytes(precision) * (zero3_partition_numel(base_numels, nd)
+                                         + sum(n for n in base_numels if n <= persistence_threshold))
+
+    def plus_base(s: ModelStates) -> ModelStates:
+        return ModelStates(s.params + frozen, s.grads, s.master, s.optim_states)
+
+    states = placed.states
+    return PlacedStates(RankModelStates(plus_base(states.boundary), plus_base(states.step), states.wrapper),
+                        placed.host, placed.host_boundary)
+
+
 def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: int, precision: str, dp_rank: int = 0,
                    gas: int = 1) -> PlacedStates:
     """ZeRO-1/2 `states` (`memory.model_states_from_numels`) with `offload_optimizer: cpu` (stage_1_and_2.py's
@@ -135,4 +154,4 @@ def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: in
 def live_parameter_bytes(shape: LlamaShape, tp: int, precision: str, knobs: Zero3Knobs = Zero3Knobs()) -> int:
     """Device bytes of the parameters ZeRO-3 holds gathered at most during a micro-batch on one TP rank (module
     docstring; persistent parameters are counted with the model states)."""
-    return compute_bytes(precision) * replayed(shape, tp, knobs)[1].peak_available
+    return compute_bytes(precision) * replayed(shape, tp, knobs)[2].peak_available

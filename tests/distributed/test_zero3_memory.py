@@ -1,8 +1,8 @@
 """The ZeRO-3 and offload memory model (planning/zero3_memory.py) against the bytes DeepSpeed's optimizer really
 holds at the optimizer step, counted from its own tensors (ds_internals/memory_probe.py) on every rank of a world of 4:
 ZeRO-3 at DP4 and TP2 x DP2 in bf16, bf16 with fp32 accumulation and fp32, with persistent parameters, with
-optimizer offload and with optimizer + parameter offload, and ZeRO-1/2 with optimizer offload. On the same runs, ZeRO-3's
-collectives (DeepSpeed's comms logger) and the most elements its parameter coordinator held gathered against the
+optimizer offload and with optimizer + parameter offload, LoRA at TP2 x DP2 (its frozen base partitioned too), and
+ZeRO-1/2 with optimizer offload. On the same runs, ZeRO-3's collectives (DeepSpeed's comms logger) and the most elements its parameter coordinator held gathered against the
 replay of planning/zero3_fetch.py, with DeepSpeed's stage3_* defaults and with knobs that make it release, prefetch
 in small pieces and stop prefetching at the live-parameter cap."""
 
@@ -24,8 +24,10 @@ SOME_KEPT = {"stage3_prefetch_bucket_size": 12000, "stage3_max_live_parameters":
              "stage3_max_reuse_distance": 30000}
 FEW_KEPT = {"stage3_prefetch_bucket_size": 5000, "stage3_max_live_parameters": 20000,
             "stage3_max_reuse_distance": 15000}
-RUNS = [  # name, tp, zero, precision, offload, persistence threshold, other stage3_* knobs
+LORA_RANK, LORA_TARGETS = 4, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+RUNS = [  # name, tp, zero, precision, offload, persistence threshold[, other stage3_* knobs[, LoRA rank]]
     ("Z3-DP4-bf16", 1, 3, "bf16", "none", 0),
+    ("Z3-LoRA-TP2xDP2-bf16", 2, 3, "bf16", "none", 0, {}, LORA_RANK),  # the frozen base partitioned too
     ("Z3-DP4-bf16+fp32acc", 1, 3, "bf16+fp32acc", "none", 0),
     ("Z3-DP4-fp32", 1, 3, "fp32", "none", 0, SOME_KEPT),
     ("Z3-TP2xDP2-bf16", 2, 3, "bf16", "none", 0, FEW_KEPT),
@@ -37,7 +39,7 @@ RUNS = [  # name, tp, zero, precision, offload, persistence threshold, other sta
 ]
 
 
-def _config(tp, zero, precision, offload, threshold, knobs=None):
+def _config(tp, zero, precision, offload, threshold, knobs=None, lora_rank=0, model_dir=None):
     from tests.distributed.engine_runs import ds_config
 
     zero_optimization = {"stage": zero, "reduce_bucket_size": BUCKET, "stage3_param_persistence_threshold": threshold,
@@ -54,10 +56,14 @@ def _config(tp, zero, precision, offload, threshold, knobs=None):
         extra["bf16"] = {"enabled": True}
     if precision == "bf16+fp32acc":
         extra["data_types"] = {"grad_accum_dtype": "fp32"}
-    return ds_config(tp, 1, zero, **extra)
+    config = ds_config(tp, 1, zero, **extra)
+    if lora_rank:  # adapters train on a pretrained base
+        config["hybrid3d"].update(model={"hf_model": model_dir, "init_from_hf": True},
+                                  lora={"rank": lora_rank, "target_modules": LORA_TARGETS})
+    return config
 
 
-def measure(rank, world_size):
+def measure(rank, world_size, model_dir):
     """{run name: the probe's snapshots by category, ZeRO-3's collectives and the coordinator's largest count of
     available elements} of this rank, the probe and the comms logger enabled on the second step."""
     import torch
@@ -72,8 +78,8 @@ def measure(rank, world_size):
 
     shape = LlamaShape.from_hf(LlamaConfig(**CONFIG))
     out = {}
-    for name, tp, zero, precision, offload, threshold, *knobs in RUNS:
-        config = _config(tp, zero, precision, offload, threshold, *knobs)
+    for name, tp, zero, precision, offload, threshold, *more in RUNS:
+        config = _config(tp, zero, precision, offload, threshold, *more, model_dir=model_dir)
         trainer = build_trainer(validate_run(config, world_size, shape))
         generator = torch.Generator().manual_seed(trainer.groups.get_data_parallel_rank())
 
@@ -119,18 +125,28 @@ def zero3_collectives(comms_dict: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
-    return run_world(measure, 4, str(tmp_path_factory.mktemp("zero3_memory")))
+    from tests.tiny_llama import make_hf_llama
+
+    root = tmp_path_factory.mktemp("zero3_memory")
+    make_hf_llama(root / "hf", "mqa", **CONFIG)  # the LoRA run's base
+    return run_world(measure, 4, str(root), str(root / "hf"))
 
 
-def _predicted(tp, zero, precision, offload, threshold, knobs=None):
+def _predicted(tp, zero, precision, offload, threshold, knobs=None, lora_rank=0):
     from hybrid3d.model import LlamaShape
+    from hybrid3d.model.adapters import with_adapters
     from hybrid3d.planning.memory import model_states_from_numels, rank_parameter_numels
-    from hybrid3d.planning.zero3_memory import offload_states, zero3_model_states
+    from hybrid3d.planning.parameters import rank_adapter_numels
+    from hybrid3d.planning.zero3_memory import lora_zero3_model_states, offload_states, zero3_model_states
 
-    numels = rank_parameter_numels(LlamaShape.from_hf(LlamaConfig(**CONFIG)), tp, 1, 0)
+    shape = LlamaShape.from_hf(LlamaConfig(**CONFIG))
+    numels = rank_parameter_numels(shape, tp, 1, 0)
     nd = 4 // tp
     if zero == 3:
         embedding = numels[0]  # the first layer, still gathered when the gradient reduction starts
+        if lora_rank:
+            adapters = rank_adapter_numels(with_adapters(shape, lora_rank, LORA_TARGETS), tp, 1, 0)
+            return lora_zero3_model_states(numels, adapters, nd, precision, BUCKET, threshold, embedding)
         return zero3_model_states(numels, nd, precision, BUCKET, threshold, offload, gathered_numel=embedding)
     gas, dp_rank = 8 // (2 * nd), 0  # every DP rank's partition overlaps as many elements here (checked by rank)
     states = model_states_from_numels(numels, nd, zero, precision, 1, dp_rank, gas, reduce_bucket_size=BUCKET)
@@ -171,14 +187,17 @@ def test_zero3_collectives_and_live_parameters_follow_the_coordinator_replay(mea
     module's prefetch and held to the end of the backward; with SOME_KEPT (1.8x the model's partitions gathered per
     micro-batch, at most 42% of its elements at once) and FEW_KEPT (1.8x, 42%) layers are gathered again."""
     from hybrid3d.model import LlamaShape
+    from hybrid3d.model.adapters import with_adapters
     from hybrid3d.planning.memory import compute_bytes
     from hybrid3d.planning.zero3_fetch import Zero3Knobs, zero3_step_traffic
 
-    name, tp, _, precision, _, threshold, *knobs = run
-    knobs = Zero3Knobs.from_zero_config({"stage3_param_persistence_threshold": threshold, **(knobs[0] if knobs else {})})
+    name, tp, _, precision, _, threshold, *more = run
+    knobs = Zero3Knobs.from_zero_config({"stage3_param_persistence_threshold": threshold, **(more[0] if more else {})})
     gas = 8 // (2 * (4 // tp))
-    predicted = zero3_step_traffic(LlamaShape.from_hf(LlamaConfig(**CONFIG)), tp, 4 // tp, gas,
-                                   compute_bytes(precision), knobs)
+    shape = LlamaShape.from_hf(LlamaConfig(**CONFIG))
+    if len(more) > 1:  # only the adapters' gradients are reduced
+        shape = with_adapters(shape, more[1], LORA_TARGETS)
+    predicted = zero3_step_traffic(shape, tp, 4 // tp, gas, compute_bytes(precision), knobs)
     expected = dict(gather_bytes=predicted.gather_bytes, gather_calls=predicted.gather_calls,
                     reduce_scatter_bytes=predicted.reduce_scatter_bytes, peak_available=predicted.peak_live_numel)
     for rank, result in enumerate(measured):

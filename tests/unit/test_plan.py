@@ -293,6 +293,29 @@ def test_lora_rank_makes_llama3_8b_fit_one_gpu(capsys, llama3_8b):
     assert any(c.pp > 1 for c in feasible) and not any(c.pp > 1 and c.zero == 2 for c in feasible)
 
 
+def test_lora_with_zero3_partitions_the_frozen_base():
+    """LoRA rows at ZeRO-3 (offload_plan.worst_rank_placed): the frozen bf16 base is partitioned over the DP ranks
+    like every weight (2 bytes a parameter / 8 at DP8, where ZeRO-1 keeps all 2 on each GPU), the adapters carry
+    ZeRO-3's states; Llama 3 70B with rank-16 adapters on 8 x 80 GB."""
+    from hybrid3d.planning.planner import with_lora
+
+    shape = with_lora(LlamaShape.from_hf(preset_config("llama3-70b")), 16)
+    eight = Cluster(gpus=8, gpu_memory_gb=80)
+    rows, _ = plan(shape, eight, 4096, 64)
+    zero3 = [c for c in rows if c.zero == 3]
+    assert zero3 and all(c.offload == "none" for c in zero3)
+    base = 70_553_706_496  # Llama 3 70B's parameters
+    z3 = evaluate(shape, eight, 1, 1, 3, True, 1, 4096, 64, DEFAULT_REDUCE_BUCKET)
+    z1 = evaluate(shape, eight, 1, 1, 1, True, 1, 4096, 64, DEFAULT_REDUCE_BUCKET)
+    assert z1.states_gb > 2 * base / 1e9
+    # beside the base's partitions: the gathered parameters, the reduce bucket (bf16) and the adapters' ZeRO-3
+    # states, 22 bytes an adapter parameter / 8 (lp and fp32-accumulated gradient partitions, fp32 gradient,
+    # master, Adam's moments)
+    rest = (live_parameter_bytes(shape, 1, "bf16") + 2 * DEFAULT_REDUCE_BUCKET) / 1e9
+    adapters = 22 * 207_093_760 / 8 / 1e9
+    assert 2 * base / 8 / 1e9 + adapters < z3.states_gb - rest < 2 * base / 8 / 1e9 + adapters + 0.01
+
+
 @pytest.mark.parametrize("argv", [
     ["--lora-rank", "-1"],
     ["--lora-targets", "q_proj,v_proj"],
