@@ -36,8 +36,26 @@ def partitioned_build(ds_config: dict, groups, enabled: bool):
         return contextlib.nullcontext()
     import deepspeed
 
+    check_nvme_offload(ds_config)
     return deepspeed.zero.Init(data_parallel_group=groups.get_data_parallel_group(), mpu=groups,
                                config_dict_or_path=ds_config)
+
+
+def check_nvme_offload(ds_config: dict) -> None:
+    """NVMe offload (`device: nvme`) swaps through DeepSpeed's async I/O op, which builds against libaio: say so in
+    one line before the build instead of failing inside DeepSpeed's swapper."""
+    zero = ds_config.get("zero_optimization", {})
+    keys = [k for k in ("offload_optimizer", "offload_param") if (zero.get(k) or {}).get("device") == "nvme"]
+    if not keys:
+        return
+    from deepspeed.accelerator import get_accelerator
+
+    from hybrid3d.errors import UserError
+
+    builder = get_accelerator().get_op_builder("AsyncIOBuilder")
+    if builder is None or not builder().is_compatible(verbose=False):
+        raise UserError(f"zero_optimization.{keys[0]}.device nvme needs DeepSpeed's async I/O op, which needs libaio "
+                        "on this machine (Debian/Ubuntu: apt-get install libaio-dev)")
 
 
 def gathered(params):

@@ -29,6 +29,10 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     config["hybrid3d"].update(run.get("hybrid", {}))  # sequence_parallel, context_parallel_size, ...
     if "optimizer" in run:
         config["optimizer"] = run["optimizer"]
+    for key in ("offload_optimizer", "offload_param"):  # NVMe offload: swap files in a folder of the run's own
+        offload = config["zero_optimization"].get(key, {})
+        if offload.get("device") == "nvme":
+            offload["nvme_path"] = str(Path(save_root) / run["name"] / "nvme")
     auto_lines = []
     if "auto" in run:  # "auto" keys decided as launch/train.py decides them, before the one validation pass
         config, auto_lines = decide_auto(config, run["auto"], shape, dist.get_world_size())

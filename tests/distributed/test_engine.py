@@ -203,6 +203,13 @@ OFFLOAD_RUNS = [
          extra={"zero_optimization": {"stage": 2, "offload_optimizer": CPU}}),
     dict(name="offload-Z3-params-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM,
          extra={"zero_optimization": dict(Z3, offload_optimizer=CPU, offload_param=CPU)}, save=True),
+    # ZeRO-Infinity (Rajbhandari et al. 2021): the optimizer states and the weight partitions swapped to files through
+    # DeepSpeed's async I/O op (libaio; its nvme_path set per run by engine_worker); buffers of 2e4 elements, above
+    # the largest parameter of the tiny model, instead of DeepSpeed's 1e8
+    dict(name="offload-Z3-nvme-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM,
+         extra={"zero_optimization": dict(Z3, offload_optimizer={"device": "nvme"},
+                                          offload_param={"device": "nvme", "buffer_size": 20_000,
+                                                         "buffer_count": 5})}),
 ]
 
 # "auto" (planning/auto_layout.py): the keys left open decided as launch/train.py decides them, then validated and

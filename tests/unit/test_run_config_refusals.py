@@ -152,3 +152,22 @@ def test_zero3_support_table_refusals_name_what_works():
             validate_run(config, 2, model_shape)
         assert str(err.value).startswith(needle), err.value
     assert validate_run(ds_config(tp=1, pp=1, zero=3), 2, shape).config.zero_stage == 3
+
+
+def test_nvme_offload_without_libaio_is_one_line(monkeypatch):
+    """`device: nvme` swaps through DeepSpeed's async I/O op; where it cannot build (no libaio) the build stops
+    before DeepSpeed's swapper with one line naming the key and the package."""
+    from deepspeed.accelerator import get_accelerator
+
+    from hybrid3d.ds_internals.zero3 import check_nvme_offload
+
+    class Incompatible:
+        def is_compatible(self, verbose=False):
+            return False
+
+    monkeypatch.setattr(get_accelerator(), "get_op_builder", lambda name: Incompatible)
+    nvme = {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/tmp"}}}
+    with pytest.raises(UserError, match=r"^zero_optimization.offload_param.device nvme needs DeepSpeed's async I/O "
+                                        r"op, which needs libaio .*libaio-dev\)$"):
+        check_nvme_offload(nvme)
+    check_nvme_offload({"zero_optimization": {"stage": 3, "offload_param": {"device": "cpu"}}})  # nothing to check
