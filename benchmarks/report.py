@@ -65,7 +65,8 @@ def predicted_states(shape, run: dict, stage: int, dp_rank: int, gas: int):
                                pipeline_zero2=zero == 2 and pp > 1)
     if offload == "none":
         return states
-    return offload_states(states, rank_parameter_numels(shape, tp, pp, stage), dp, zero, precision, dp_rank, gas).states
+    return offload_states(states, rank_parameter_numels(shape, tp, pp, stage), dp, zero, precision, dp_rank, gas,
+                          run["bucket"]).states
 
 
 def build_rows(runs, results, sizes) -> list:

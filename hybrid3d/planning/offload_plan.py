@@ -61,7 +61,7 @@ def worst_rank_placed(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, p
             dp_ranks = (0, nd - 1) if zero == 2 else (0,)  # ZeRO-2's gradient partition depends on the DP rank
             placed = max((offload_states(rank_model_states(shape, tp, pp, nd, zero, precision, rank, r, gas, bucket,
                                                            schedule=schedule, virtual=v), numels, nd, zero, precision, r,
-                                         gas) for r in dp_ranks), key=lambda p: p.device_bytes)
+                                         gas, bucket) for r in dp_ranks), key=lambda p: p.device_bytes)
             device = placed.device_bytes
         acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing, sequence_parallel=sp,
                                 cp=cp, schedule=schedule, virtual=v, comm=comm, cp_a2a=cp_a2a,

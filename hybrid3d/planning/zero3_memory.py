@@ -125,13 +125,13 @@ def lora_zero3_model_states(base_numels: list[int], adapter_numels: list[int], n
 
 
 def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: int, precision: str, dp_rank: int = 0,
-                   gas: int = 1) -> PlacedStates:
+                   gas: int = 1, reduce_bucket_size: int = 500_000_000) -> PlacedStates:
     """ZeRO-1/2 `states` (`memory.model_states_from_numels`) with `offload_optimizer: cpu` (stage_1_and_2.py's
     cpu_offload). In host memory: the fp32 partition of aligned(Ψ)/Nd elements, its fp32 gradient and Adam's moments
     (DeepSpeedCPUAdam: no step tensor), an lp copy of the partition for the updated weights' way back, an lp staging
     buffer of the largest parameter, and at ZeRO-2 with gas > 1 an lp accumulator of every parameter overlapping the
     rank's partition; on the device, besides the lp weights, their gradients and the reduce bucket, an lp staging buffer of
-    the largest parameter."""
+    the largest parameter. `reduce_bucket_size` (elements) decides what ZeRO-2 holds at the accumulation boundary."""
     lp = compute_bytes(precision)
     part = aligned_numel(sum(numels), nd) // nd
     largest = lp * max(numels)
@@ -144,11 +144,23 @@ def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: in
     def offloaded(s: ModelStates, fp32_grad: int) -> ModelStates:
         return ModelStates(s.params + lp * part, s.grads + fp32_grad + 2 * largest + accumulators, s.master, 8 * part)
 
-    # At the boundary, an upper bound: what is held then depends on when the buckets were reduced (measured: the
-    # fp32 gradient is there at gas 1; with gas 2 and small buckets the accumulators are and it is not, with one
-    # bucket the reverse); the step's states already count the fp32 gradient
-    placed = RankModelStates(offloaded(states.boundary, 4 * part), offloaded(states.step, 0), states.wrapper)
-    return PlacedStates(placed, host, host)
+    # At the accumulation boundary ZeRO-2 with gas > 1 holds the host accumulators or the fp32 gradient, as its
+    # buckets were reduced (measured, tests/distributed/test_zero3_memory.py and benchmarks/zero_compare.py: with the
+    # rank's gradients in several buckets the accumulators, up to a norm's, and not the fp32 gradient, with one bucket
+    # the reverse);
+    # ZeRO-1 and gas 1 hold the fp32 gradient. The step's states already count the fp32 gradient.
+    fp32_grad, held = 4 * part, accumulators
+    if accumulators:
+        one_bucket = reduce_bucket_size >= sum(numels)
+        fp32_grad, held = (4 * part, 0) if one_bucket else (0, accumulators)
+
+    def at_boundary(s: ModelStates) -> ModelStates:
+        placed = offloaded(s, fp32_grad)
+        return ModelStates(placed.params, placed.grads - accumulators + held, placed.master, placed.optim_states)
+
+    placed = RankModelStates(at_boundary(states.boundary), offloaded(states.step, 0), states.wrapper)
+    host_boundary = ModelStates(host.params, fp32_grad + largest + held, host.master, host.optim_states)
+    return PlacedStates(placed, host, host_boundary)
 
 
 def live_parameter_bytes(shape: LlamaShape, tp: int, precision: str, knobs: Zero3Knobs = Zero3Knobs()) -> int:

@@ -150,12 +150,14 @@ def _predicted(tp, zero, precision, offload, threshold, knobs=None, lora_rank=0)
         return zero3_model_states(numels, nd, precision, BUCKET, threshold, offload, gathered_numel=embedding)
     gas, dp_rank = 8 // (2 * nd), 0  # every DP rank's partition overlaps as many elements here (checked by rank)
     states = model_states_from_numels(numels, nd, zero, precision, 1, dp_rank, gas, reduce_bucket_size=BUCKET)
-    return offload_states(states, numels, nd, zero, precision, dp_rank, gas)
+    return offload_states(states, numels, nd, zero, precision, dp_rank, gas, BUCKET)
 
 
 @pytest.mark.parametrize("run", RUNS, ids=[r[0] for r in RUNS])
 def test_model_states_match_the_optimizers_tensors(measured, run):
-    """At both moments the probe snapshots: the accumulation boundary and the optimizer step."""
+    """At both moments the probe snapshots, the accumulation boundary and the optimizer step, exactly (ZeRO-2 offload
+    at gas 2 with its gradients in several buckets: the host accumulators at the boundary, no fp32 gradient, up to one
+    norm's accumulator)."""
     name, *options = run
     placed = _predicted(*options)
     for label, states in (("boundary", placed.states.boundary), ("step", placed.states.step)):
@@ -163,10 +165,13 @@ def test_model_states_match_the_optimizers_tensors(measured, run):
         for rank, result in enumerate(measured):
             got = {k: result[name][label][k] for k in predicted}
             print(f"{name} {label} rank {rank}: measured {got}, predicted {predicted}, host {vars(placed.host)}")
-            if label == "boundary" and options[1] < 3:  # ZeRO-1/2 offload: an upper bound (zero3_memory.offload_states)
-                assert sum(got.values()) <= states.total, (label, rank, got, predicted)
-                continue
-            assert got == predicted, (label, rank, got, predicted)
+            if label == "boundary" and name == "Z2-TP2xDP2-bf16-offload":
+                # several buckets: one norm's host accumulator (h bf16 elements) may not exist yet (measured: 128 B
+                # short on rank 0); the model counts it
+                slack = {"grads": 2 * CONFIG["hidden_size"]}
+                assert all(0 <= predicted[k] - got[k] <= slack.get(k, 0) for k in got), (label, rank, got, predicted)
+            else:
+                assert got == predicted, (label, rank, got, predicted)
             assert not result[name][label]["other_names"]  # scalars only: no tensor of the wrapper uncounted
 
 
