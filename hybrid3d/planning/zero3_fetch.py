@@ -26,8 +26,8 @@ import math
 from dataclasses import dataclass
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.tp_plan import kv_rows_per_rank, lora_factor_shapes, lora_weights
-from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
+from hybrid3d.model.tp_plan import lora_factor_shapes, lora_weights
+from hybrid3d.planning.parameters import layer_parameter_numels
 
 DEFAULT_PERSISTENCE_THRESHOLD = 100_000  # stage3_param_persistence_threshold (elements)
 DEFAULT_PREFETCH_BUCKET = 50_000_000  # stage3_prefetch_bucket_size (elements)
@@ -93,9 +93,10 @@ def module_tree(shape: LlamaShape, t: int) -> tuple[list[int], list[bool], Modul
     down by o and down; only they train, the base is frozen."""
     if shape.is_moe:
         raise ValueError("ZeRO-3 fetching is modelled for dense models only (ZeRO-3 refuses mixture-of-experts)")
-    h, d = shape.hidden_size, shape.head_dim
-    q, kv = shape.num_heads * d // t, kv_rows_per_rank(shape, t)
-    f = shape.intermediate_size // t
+    specs = layer_parameter_numels(shape, t)  # the TP plan's sizes, each layer's in registration order
+    block = specs[1][1]  # input norm, q/k/v (+ biases), o, (q/k norms), post-attention norm, gate, up, down
+    qkv_count = 3 * (1 + shape.qkv_bias)
+    qk_norms = block[2 + qkv_count:-4]
     numels: list[int] = []
     trains: list[bool] = []
 
@@ -112,22 +113,20 @@ def module_tree(shape: LlamaShape, t: int) -> tuple[list[int], list[bool], Modul
         return ids + params(*[n for p in projections for n in adapters.get(p, [])], adapter=True)
 
     tied = shape.tie_word_embeddings
-    embedding = params(padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) // t * h)
+    embedding = params(*specs[0][1])
     blocks = []
     for _ in range(shape.num_layers):
-        bias = shape.qkv_bias
-        input_norm = Module(params(h))
-        qkv = with_adapters(params(q * h, *[q] * bias, kv * h, *[kv] * bias, kv * h, *[kv] * bias),
-                            "q_proj", "k_proj", "v_proj")
-        qk_norms = (Module(params(d)), Module(params(d))) if shape.qk_norm else ()
-        o = Module(with_adapters(params(h * q), "o_proj"))
-        attention = Module(qkv, (*qk_norms, Module(()), o))  # ..., the core, o
-        post_norm = Module(params(h))
-        down = Module(with_adapters(params(h * f), "down_proj"))
-        mlp = Module(with_adapters(params(f * h, f * h), "gate_proj", "up_proj"), (down,))
+        input_norm = Module(params(block[0]))
+        qkv = with_adapters(params(*block[1:1 + qkv_count]), "q_proj", "k_proj", "v_proj")
+        norms = tuple(Module(params(n)) for n in qk_norms)
+        o = Module(with_adapters(params(block[1 + qkv_count]), "o_proj"))
+        attention = Module(qkv, (*norms, Module(()), o))  # ..., the core, o
+        post_norm = Module(params(block[-4]))
+        down = Module(with_adapters(params(block[-1]), "down_proj"))
+        mlp = Module(with_adapters(params(*block[-3:-1]), "gate_proj", "up_proj"), (down,))
         blocks.append(Module((), (input_norm, attention, post_norm, mlp)))
-    final_norm = Module(params(h))
-    head = Module(() if tied else params(numels[embedding[0]]))
+    final_norm = Module(params(*specs[-2][1]))
+    head = Module(() if tied else params(*specs[-1][1]))
     top = Module(embedding if tied else (), (Module(() if tied else embedding), *blocks, final_norm, head))
     return numels, trains, top
 
