@@ -32,7 +32,8 @@ VERSION = 1
 HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document-index entries
 CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32, 8: np.uint16}
 TOKEN_DTYPES = (np.uint16, np.int32, np.int64, np.uint8, np.int16, np.int8)
-CHUNK = 1 << 24  # elements per pass of a scan: memory stays bounded whatever the corpus
+CHUNK = 1 << 20  # entries per pass of a scan: a few MiB at a time, whatever the corpus
+WRITE_CHUNK = 1 << 16  # lengths per pass of writing the index: under 2 MiB, so the preprocessor's peak stays flat
 
 
 def idx_path(prefix) -> str:
@@ -179,11 +180,19 @@ def _check_contiguous(lengths: np.ndarray, pointers: np.ndarray, itemsize: int, 
         chunk = np.asarray(lengths[start:start + CHUNK], dtype=np.int64)
         if np.any(chunk < 0):
             raise ConfigError(f"{where}: {index} holds a negative sequence length")
-        expected = (total + np.concatenate(([0], np.cumsum(chunk)[:-1]))) * itemsize
-        if not np.array_equal(expected, pointers[start:start + CHUNK]):
+        if not np.array_equal(_pointers(chunk, total, itemsize), pointers[start:start + CHUNK]):
             raise ConfigError(f"{where}: {index}: its sequences are not stored back to back in the .bin")
         total += int(chunk.sum())
     return total
+
+
+def _pointers(lengths: np.ndarray, first: int, itemsize: int) -> np.ndarray:
+    """The byte offsets of sequences stored back to back from token `first`; `lengths` (int64) becomes scratch."""
+    ends = np.cumsum(lengths)
+    ends -= lengths  # each sequence's start, counted from `first`, in place (no third array)
+    ends += first
+    ends *= itemsize
+    return ends
 
 
 class IndexedWriter:
@@ -221,19 +230,19 @@ class IndexedWriter:
         for f in (self._bin, self._lengths, self._learn):
             if f is not None:
                 f.close()
-        lengths = np.memmap(f"{self._tmp}.lengths", mode="r", dtype=np.int32) if self.documents else np.zeros(0)
-        with open(idx_path(self._tmp), "wb") as f:
+        # the index streamed from the scratch file WRITE_CHUNK lengths at a time, read (not mapped: mapped pages would
+        # stay resident, and count, until the end) in two passes: the lengths, then the pointers
+        with open(idx_path(self._tmp), "wb") as f, open(f"{self._tmp}.lengths", "rb") as scratch:
             f.write(HEADER.pack(MAGIC, VERSION, _code(self.dtype), self.documents, self.documents + 1))
-            for start in range(0, self.documents, CHUNK):
-                f.write(np.asarray(lengths[start:start + CHUNK], dtype=np.int32).tobytes())
+            while (chunk := np.fromfile(scratch, np.int32, WRITE_CHUNK)).size:
+                chunk.tofile(f)
+            scratch.seek(0)
             offset = 0
-            for start in range(0, self.documents, CHUNK):
-                chunk = np.asarray(lengths[start:start + CHUNK], dtype=np.int64)
-                f.write(((offset + np.concatenate(([0], np.cumsum(chunk)[:-1]))) * self.dtype.itemsize).tobytes())
-                offset += int(chunk.sum())
-            for start in range(0, self.documents + 1, CHUNK):  # one sequence per document
-                f.write(np.arange(start, min(start + CHUNK, self.documents + 1), dtype=np.int64).tobytes())
-        del lengths
+            while (chunk := np.fromfile(scratch, np.int32, WRITE_CHUNK).astype(np.int64)).size:
+                offset, pointers = offset + int(chunk.sum()), _pointers(chunk, offset, self.dtype.itemsize)
+                pointers.tofile(f)
+            for start in range(0, self.documents + 1, WRITE_CHUNK):  # one sequence per document
+                np.arange(start, min(start + WRITE_CHUNK, self.documents + 1), dtype=np.int64).tofile(f)
         os.remove(f"{self._tmp}.lengths")
         if self._learn is not None:
             os.replace(learn_path(self._tmp), learn_path(self.prefix))

@@ -136,3 +136,36 @@ def test_a_sidecar_of_another_length_is_refused(tmp_path):
     open(learn_path(prefix), "wb").write(b"\x01" * 4)
     with pytest.raises(ConfigError, match=r"c\.learn\.bin holds 4 bytes, not one per token"):
         IndexedCorpus(prefix).learn_mask()
+
+
+def test_scans_and_the_index_writer_agree_across_chunk_boundaries(tmp_path, monkeypatch):
+    """Writing the index and every scan of it go in chunks (constant memory); with chunks of 5 and 7 entries over 30
+    documents the bytes still equal megatron-core's and each scan still sees every chunk, the last one partial."""
+    from hybrid3d.data import indexed
+
+    monkeypatch.setattr(indexed, "WRITE_CHUNK", 5)
+    monkeypatch.setattr(indexed, "CHUNK", 7)
+    docs = documents(3, high=70000)
+    ours, theirs = str(tmp_path / "ours"), str(tmp_path / "theirs")
+    with IndexedWriter(ours, np.int32) as writer:
+        for doc in docs:
+            writer.add_document(doc)
+    builder = megatron_datasets().indexed.IndexedDatasetBuilder(bin_path(theirs), dtype=np.int32)
+    for doc in docs:
+        builder.add_document(doc, [len(doc)])
+    builder.finalize(idx_path(theirs))
+    assert open(idx_path(ours), "rb").read() == open(idx_path(theirs), "rb").read()
+    corpus = IndexedCorpus(ours)
+    tokens = np.concatenate(docs)
+    assert corpus.num_tokens == len(tokens) and corpus.one_sequence_each
+    assert corpus.token_range() == (int(tokens.min()), int(tokens.max()))
+    assert [corpus.document(d).tolist() for d in range(len(docs))] == [doc.tolist() for doc in docs]
+    with pytest.raises(ConfigError, match="holds token id"):
+        corpus.check_vocabulary(int(tokens.max()))
+    # a pointer broken in the fourth chunk of the scan is still found
+    index = bytearray(open(idx_path(ours), "rb").read())
+    pointer = indexed.HEADER.size + len(docs) * 4 + 22 * 8
+    index[pointer:pointer + 8] = (int.from_bytes(index[pointer:pointer + 8], "little") + 4).to_bytes(8, "little")
+    open(idx_path(ours), "wb").write(bytes(index))
+    with pytest.raises(ConfigError, match="not stored back to back"):
+        IndexedCorpus(ours)
