@@ -2,8 +2,9 @@
 background thread writes the files; the commit of checkpoint/commit.py follows once every rank's files are durable.
 
 At a save each rank serialises the files DeepSpeed's engine would write into memory (`ds_internals.durable_save.
-snapshot_saves`: the bytes `torch.save` writes, so the files are the same) and hands them to a `BackgroundWriter`,
-which writes and fsyncs them, in order, while training goes on. The ranks learn together whether every writer is
+snapshot_saves`: what `torch.save` writes, so the files hold the same records, the zip's top folder aside:
+`archive`, torch's name for an archive saved to memory, where a save to a path takes the file's stem) and hands
+them to a `BackgroundWriter`, which writes and fsyncs them, in order, while training goes on. The ranks learn together whether every writer is
 done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done,
 their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a
 synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write
@@ -66,8 +67,6 @@ class BackgroundWriter:
 class InFlight:
     """The save being written: its tag and step, the writer, and how long the step was held for the copy."""
 
-    def __init__(self, tag: str, step: int, writer: BackgroundWriter, held_seconds: float, copied_bytes: int,
-                 written_now: Optional[dict] = None):
+    def __init__(self, tag: str, step: int, writer: BackgroundWriter, held_seconds: float, copied_bytes: int):
         self.tag, self.step, self.writer = tag, step, writer
         self.held_seconds, self.copied_bytes = held_seconds, copied_bytes
-        self.written_now = written_now or {}  # files the save wrote at once ({path: bytes}: an expert rank's own)

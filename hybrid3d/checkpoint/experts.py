@@ -11,7 +11,9 @@ The optimizer states need nothing extra: ZeRO's per-rank files hold each rank's 
 group, the expert groups (partitioned over expert data parallelism) included.
 """
 
+import io
 from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -40,10 +42,17 @@ def expert_files(tag_dir, mp_rank: int) -> list[Path]:
     return sorted(Path(tag_dir).glob(f"experts_ep_rank_*_mp_rank_{mp_rank:02d}_model_states.pt"))
 
 
-def save_experts(module, tag_dir, ep_rank: int, mp_rank: int) -> dict:
-    """Write (and fsync) this rank's expert file: {path: bytes}."""
+def save_experts(module, tag_dir, ep_rank: int, mp_rank: int, snapshot: Optional[dict] = None) -> dict:
+    """Write (and fsync) this rank's expert file: {path: bytes}. With `snapshot` (an asynchronous save,
+    checkpoint/async_save.py) its bytes go there as `snapshot[path]`, to be written in the background, and nothing
+    is written now ({} returned)."""
     state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
     path = expert_file(tag_dir, ep_rank, mp_rank)
+    if snapshot is not None:
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        snapshot[str(path)] = buffer.getbuffer()
+        return {}
     torch.save(state, path)
     return {str(path): fsync_file(path)}
 

@@ -66,10 +66,9 @@ class CheckpointSaver:
         files = {} if self.asynchronous else None
         mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
                                  client_state=training_client_state(step, samples, rng), snapshot=files)
-        if self.asynchronous:
+        if self.asynchronous:  # every file of the rank is in `files` (expert files too), none written yet
             copied = sum(len(data) for data in files.values())
-            self.in_flight = InFlight(tag, step, BackgroundWriter(files), time.perf_counter() - started, copied,
-                                      written_now=mine)
+            self.in_flight = InFlight(tag, step, BackgroundWriter(files), time.perf_counter() - started, copied)
             return self.save_dir / tag
         self._commit(tag, step, mine)
         return self.save_dir / tag
@@ -105,9 +104,9 @@ class CheckpointSaver:
 
     def _commit_in_flight(self) -> dict:
         flight, self.in_flight = self.in_flight, None
-        error, mine = None, dict(flight.written_now)
+        error, mine = None, {}
         try:
-            mine.update(flight.writer.wait())
+            mine = flight.writer.wait()
         except OSError as e:
             error = str(e)
         write_seconds = self._commit(flight.tag, flight.step, mine, error, flight.writer.seconds)

@@ -110,7 +110,8 @@ class Trainer:
              save_latest: bool = True, snapshot: Optional[dict] = None) -> dict:
         """DeepSpeed's checkpoint; with expert parallelism plus each expert-parallel rank's experts
         (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed. `snapshot`: the
-        engine's files go into it as {path: bytes} to be written later (checkpoint/async_save.py), not to disk."""
+        engine's files and the expert file go into it as {path: bytes} to be written later
+        (checkpoint/async_save.py), not to disk."""
         self._check_expert_checkpoint()
         written = {}
         with (snapshot_saves(self.engine, snapshot) if snapshot is not None else record_saves(self.engine, written)):
@@ -122,7 +123,7 @@ class Trainer:
             tag_dir = Path(save_dir) / (tag or f"global_step{self.engine.global_steps}")
             if self.groups.get_data_parallel_rank() < self.layout.ep:  # expert-data-parallel rank 0
                 written.update(save_experts(self.module, tag_dir, self.groups.expert_parallel().rank,
-                                            self.groups.get_model_parallel_rank()))
+                                            self.groups.get_model_parallel_rank(), snapshot))
             dist.barrier()
         return written
 

@@ -132,11 +132,11 @@ def run_one(run: dict, model_dir: str) -> dict:
             comms_logger.enabled = comms_logger.prof_all = True
         if step == run.get("resume_at"):  # save, then continue in a fresh trainer from the checkpoint
             save_dir = os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}")
-            trainer.save(save_dir, tag="mid")
+            async_files = save_both_ways(trainer, save_dir)
             del trainer
             gc.collect()
             trainer = build()  # starts from the HF weights and a fresh optimizer: all must come from the files
-            trainer.load(save_dir, tag="mid")
+            trainer.load(save_dir, tag="mid")  # the asynchronous save's files
             assert trainer.global_steps == step
         losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
         norms.append(float(trainer.engine.get_global_grad_norm()))
@@ -165,11 +165,44 @@ def run_one(run: dict, model_dir: str) -> dict:
         "stage": trainer.groups.stage_id,
         "pipe_partitioned": trainer.config.ds_config.get("pipeline", {}).get("pipe_partitioned"),
         "ep_rank": trainer.groups.expert_parallel().rank,
+        "async_files": async_files if run.get("resume_at") is not None else None,
     }
     dist.barrier()
     del trainer, engine
     gc.collect()
     return report
+
+
+def same_records(one, other) -> bool:
+    """Whether two torch.save archives hold the same records byte for byte, whatever their top folders' names."""
+    import zipfile
+
+    def records(path):
+        with zipfile.ZipFile(path) as archive:
+            return {name.split("/", 1)[1]: archive.read(name) for name in archive.namelist()}
+
+    return records(one) == records(other)
+
+
+def save_both_ways(trainer, save_dir: str) -> dict:
+    """Save the same state synchronously (tag "mid-sync") and as an asynchronous save does (tag "mid": every file
+    snapshot into memory, then written by checkpoint/async_save.py's background writer); {"mine": the files this rank
+    wrote in the background, relative to their tag, "same": whether each holds the synchronous save's records (the
+    zip's top folder is named differently: checkpoint/async_save.py)}."""
+    from pathlib import Path
+
+    import deepspeed.comm as dist
+
+    from hybrid3d.checkpoint.async_save import BackgroundWriter
+
+    trainer.save(save_dir, tag="mid-sync")
+    files = {}
+    assert trainer.save(save_dir, tag="mid", snapshot=files) == {}  # nothing written before the background write
+    written = BackgroundWriter(files).wait()
+    dist.barrier()
+    mine = sorted(str(Path(path).relative_to(Path(save_dir) / "mid")) for path in written)
+    same = all(same_records(Path(path), Path(save_dir) / "mid-sync" / name) for path, name in zip(sorted(written), mine))
+    return {"mine": mine, "same": same}
 
 
 def moe_runs(rank, world_size, runs, model_dir):

@@ -130,6 +130,14 @@ def test_expert_parallel_checkpoint_exports_and_verifies(results, tmp_path):
     from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 
     run = "EP2-DP2-Z2-resume"
+    # the step-3 checkpoint the run resumed from was written as an asynchronous save writes it (moe_worker.
+    # save_both_ways): each rank's expert file in the background too, byte for byte the synchronous save's files
+    saved = [r["async_files"] for r in results["runs"][run]]
+    assert all(s["same"] for s in saved)
+    assert [[f for f in s["mine"] if f.startswith("experts_")] for s in saved] == [
+        ["experts_ep_rank_00_mp_rank_00_model_states.pt"], ["experts_ep_rank_01_mp_rank_00_model_states.pt"]]
+    assert sorted(f for s in saved for f in s["mine"]) == sorted(
+        p.name for p in (results["root"] / f"ckpt-{run}" / "mid-sync").iterdir())
     trained = merged_weights(results["runs"][run])
     hybrid_to_hf(results["root"] / f"ckpt-{run}", tmp_path / "hf", tag="final", hf_config_dir=results["root"] / "mixtral")
     exported = {n: t for f in sorted((tmp_path / "hf").glob("*.safetensors")) for n, t in load_file(f).items()}
