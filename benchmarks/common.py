@@ -11,13 +11,8 @@ import time
 
 import torch
 
-from hybrid3d.ds_internals.comms_callers import CALLER_CLASSES, TRAFFIC_CLASSES  # noqa: F401 (re-exported)
+from hybrid3d.ds_internals.comms_callers import CALLER_CLASSES, TRAFFIC_CLASSES, op_and_caller  # noqa: F401
 from hybrid3d.parallel.spawn import run_world  # noqa: F401  (the benchmarks' spawned worlds)
-
-
-def caller_of(record_name: str) -> str:
-    """'all_reduce | [Caller Func: _all_reduce]' -> '_all_reduce'."""
-    return record_name.split("[Caller Func: ")[-1].rstrip("]") if "[Caller Func:" in record_name else record_name
 
 
 def classify_comms(comms_dict: dict) -> tuple[dict, dict]:
@@ -26,7 +21,7 @@ def classify_comms(comms_dict: dict) -> tuple[dict, dict]:
     by_class = dict.fromkeys(TRAFFIC_CLASSES, 0)
     by_caller = {}
     for record, sizes in comms_dict.items():
-        caller = caller_of(record)
+        caller = op_and_caller(record)[1]
         total = sum(int(size) * entry[0] for size, entry in sizes.items())
         by_class[CALLER_CLASSES.get(caller, "other")] += total
         by_caller[caller] = by_caller.get(caller, 0) + total

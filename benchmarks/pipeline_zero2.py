@@ -32,12 +32,12 @@ import tempfile
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
 from common import (  # noqa: E402
-    caller_of,
     command_line,
     int_list,
     environment,
     environment_markdown,
     measure_second_step,
+    op_and_caller,
     median,
     random_batches,
     results_dir,
@@ -88,7 +88,7 @@ def traffic(comms_dict: dict, dp: int) -> dict:
     """Per-step bytes: DP gradient reduction (messages and wire), parameter all-gather, everything else."""
     out = {"grad_msg": 0, "grad_wire": 0, "gather_msg": 0, "other_msg": 0, "grad_calls": 0, "ops": {}}
     for record, sizes in comms_dict.items():
-        op, caller = record.split(" | ")[0].strip(), caller_of(record)
+        op, caller = op_and_caller(record)
         count = sum(entry[0] for entry in sizes.values())
         total = sum(int(size) * entry[0] for size, entry in sizes.items())
         out["ops"][f"{op} ({caller})"] = (count, total)

@@ -19,6 +19,7 @@ CALLER_CLASSES = {
     "get_global_norm_of_tensors": "control", "get_global_norm": "control",
 }
 TRAFFIC_CLASSES = ("tp", "dp", "pp", "pp_gather", "pp_tied", "control", "other")
+CALLER_MARK = " | [Caller Func: "  # DeepSpeed 0.19.8's record name with `debug: true`: "all_reduce | [Caller Func: f]"
 # ZeRO's gradient reduction and parameter all-gather, by the function DeepSpeed 0.19.8 issues them from
 GRADIENT_REDUCE_CALLERS = {"allreduce_bucket", "allreduce_and_copy", "gradient_reduction_w_predivide", "average_tensor",
                            "buffered_allreduce_fallback", "allreduce_no_retain"}
@@ -27,3 +28,10 @@ PARAMETER_GATHER_CALLERS = {"all_gather_dp_groups", "all_gather_into_tensor_dp_g
 # the step), and the gradients' reduce-scatter
 ZERO3_GATHER_CALLERS = {"allgather_fn", "_allgather_params_coalesced"}
 ZERO3_REDUCE_SCATTER_CALLERS = {"reduce_scatter_fn"}
+
+
+def op_and_caller(record_name: str) -> tuple[str, str]:
+    """A comms-logger record's (collective, calling function): 'all_reduce | [Caller Func: _all_reduce]' ->
+    ('all_reduce', '_all_reduce'); a record without a caller (`debug` off) -> (its name, its name)."""
+    op, marked, caller = record_name.partition(CALLER_MARK)
+    return (op.strip(), caller.rstrip("]")) if marked else (record_name.strip(), record_name)

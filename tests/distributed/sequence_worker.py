@@ -48,10 +48,11 @@ def saved_activation_bytes(forward, params) -> int:
 def comm_bytes_by_caller(comms_dict, messages: bool = False) -> dict:
     """{(op, caller): bytes} from the comms logger's records ('op | [Caller Func: f]': {size: [count, ...]}), or
     with `messages` {(op, caller): how many}."""
+    from hybrid3d.ds_internals.comms_callers import op_and_caller
+
     out = {}
     for record, sizes in comms_dict.items():
-        op, _, caller = record.partition(" | [Caller Func: ")
-        key = (op.strip(), caller.rstrip("]"))
+        key = op_and_caller(record)
         out[key] = out.get(key, 0) + sum((1 if messages else int(size)) * entry[0] for size, entry in sizes.items())
     return out
 

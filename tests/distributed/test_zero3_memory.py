@@ -110,11 +110,11 @@ def measure(rank, world_size, model_dir):
 
 def zero3_collectives(comms_dict: dict) -> dict:
     """ZeRO-3's parameter all-gathers and gradient reduce-scatters in the comms logger's records: bytes and calls."""
-    from hybrid3d.ds_internals.comms_callers import ZERO3_GATHER_CALLERS, ZERO3_REDUCE_SCATTER_CALLERS
+    from hybrid3d.ds_internals.comms_callers import ZERO3_GATHER_CALLERS, ZERO3_REDUCE_SCATTER_CALLERS, op_and_caller
 
     out = {"gather_bytes": 0, "gather_calls": 0, "reduce_scatter_bytes": 0}
     for record, sizes in comms_dict.items():
-        caller = record.split("[Caller Func: ")[-1].rstrip("]")
+        caller = op_and_caller(record)[1]
         if caller in ZERO3_GATHER_CALLERS:
             out["gather_bytes"] += sum(int(size) * entry[0] for size, entry in sizes.items())
             out["gather_calls"] += sum(entry[0] for entry in sizes.values())
