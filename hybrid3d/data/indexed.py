@@ -187,9 +187,9 @@ def _check_contiguous(lengths: np.ndarray, pointers: np.ndarray, itemsize: int, 
 
 
 def _pointers(lengths: np.ndarray, first: int, itemsize: int) -> np.ndarray:
-    """The byte offsets of sequences stored back to back from token `first`; `lengths` (int64) becomes scratch."""
+    """The byte offsets of sequences of `lengths` (int64) tokens stored back to back from token `first`."""
     ends = np.cumsum(lengths)
-    ends -= lengths  # each sequence's start, counted from `first`, in place (no third array)
+    ends -= lengths  # each sequence's start, in place (no third array)
     ends += first
     ends *= itemsize
     return ends
@@ -239,8 +239,8 @@ class IndexedWriter:
             scratch.seek(0)
             offset = 0
             while (chunk := np.fromfile(scratch, np.int32, WRITE_CHUNK).astype(np.int64)).size:
-                offset, pointers = offset + int(chunk.sum()), _pointers(chunk, offset, self.dtype.itemsize)
-                pointers.tofile(f)
+                _pointers(chunk, offset, self.dtype.itemsize).tofile(f)
+                offset += int(chunk.sum())
             for start in range(0, self.documents + 1, WRITE_CHUNK):  # one sequence per document
                 np.arange(start, min(start + WRITE_CHUNK, self.documents + 1), dtype=np.int64).tofile(f)
         os.remove(f"{self._tmp}.lengths")
