@@ -3,13 +3,13 @@ background thread writes the files; the commit of checkpoint/commit.py follows o
 
 At a save each rank serialises the files DeepSpeed's engine would write into memory (`ds_internals.durable_save.
 snapshot_saves`: what `torch.save` writes, so the files hold the same records, the zip's top folder aside:
-`archive`, torch's name for an archive saved to memory, where a save to a path takes the file's stem) and hands
-them to a `BackgroundWriter`, which writes and fsyncs them, in order, while training goes on. The ranks learn together whether every writer is
-done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done,
-their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a
-synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write
-leaves the previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM,
-Ctrl-C) and a non-finite stop first wait for it and commit it.
+`archive`, torch's name for an archive saved to memory, where a save to a path takes the file's stem) and hands them
+to a `BackgroundWriter`, which writes and fsyncs them, in order, while training goes on. The ranks learn together
+whether every writer is done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a
+flag; when all are done, their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`,
+pruning) exactly as a synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a
+crash during the write leaves the previous `latest`. At most one save is in flight: the next save, the end of
+training, a stop (SIGTERM, Ctrl-C) and a non-finite stop first wait for it and commit it.
 
 The copy is one more copy of a rank's states in host memory while the write runs (torch serialises device tensors
 through host memory); a thread rather than a process writes, as the bytes are already in this process.

@@ -11,13 +11,12 @@ The optimizer states need nothing extra: ZeRO's per-rank files hold each rank's 
 group, the expert groups (partitioned over expert data parallelism) included.
 """
 
-import io
 from pathlib import Path
 from typing import Optional
 
 import torch
 
-from hybrid3d.ds_internals.durable_save import fsync_file
+from hybrid3d.ds_internals.durable_save import fsync_file, serialised
 from hybrid3d.errors import CheckpointError, LayoutError
 
 EXPERT_PARAM = ".mlp.experts."  # hybrid3d's expert parameter names: `<i>.mlp.experts.<e>.<proj>.weight`
@@ -49,9 +48,7 @@ def save_experts(module, tag_dir, ep_rank: int, mp_rank: int, snapshot: Optional
     state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
     path = expert_file(tag_dir, ep_rank, mp_rank)
     if snapshot is not None:
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        snapshot[str(path)] = buffer.getbuffer()
+        snapshot[str(path)] = serialised(state)
         return {}
     torch.save(state, path)
     return {str(path): fsync_file(path)}

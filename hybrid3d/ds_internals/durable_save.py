@@ -57,6 +57,13 @@ def record_saves(engine, written: dict):
         checkpoint_engine.save = original
 
 
+def serialised(state, zipfile: bool = True) -> memoryview:
+    """The bytes `torch.save(state, path)` would write, in memory (a copy of the tensors as they are now)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer, _use_new_zipfile_serialization=zipfile)
+    return buffer.getbuffer()
+
+
 @contextmanager
 def snapshot_saves(engine, files: dict):
     """Inside the block, each file the engine's checkpoint engine would save is serialised in memory instead:
@@ -65,10 +72,7 @@ def snapshot_saves(engine, files: dict):
     original = checkpoint_engine.save
 
     def save(state_dict, path, *args, **kwargs):
-        buffer = io.BytesIO()
-        torch.save(state_dict, buffer,
-                   _use_new_zipfile_serialization=getattr(checkpoint_engine, "zipfile_serialization", True))
-        files[str(Path(path))] = buffer.getbuffer()
+        files[str(Path(path))] = serialised(state_dict, getattr(checkpoint_engine, "zipfile_serialization", True))
         return None
 
     checkpoint_engine.save = save

@@ -141,24 +141,20 @@ def offload_states(states: RankModelStates, numels: list[int], nd: int, zero: in
     host = ModelStates(params=lp * part, grads=4 * part + largest + accumulators, master=4 * part,
                        optim_states=8 * part)
 
-    def offloaded(s: ModelStates, fp32_grad: int) -> ModelStates:
-        return ModelStates(s.params + lp * part, s.grads + fp32_grad + 2 * largest + accumulators, s.master, 8 * part)
+    def offloaded(s: ModelStates, fp32_grad: int, accumulated: int) -> ModelStates:
+        return ModelStates(s.params + lp * part, s.grads + fp32_grad + 2 * largest + accumulated, s.master, 8 * part)
 
     # At the accumulation boundary ZeRO-2 with gas > 1 holds the host accumulators or the fp32 gradient, as its
     # buckets were reduced (measured, tests/distributed/test_zero3_memory.py and benchmarks/zero_compare.py: with the
     # rank's gradients in several buckets the accumulators, up to a norm's, and not the fp32 gradient, with one bucket
-    # the reverse);
-    # ZeRO-1 and gas 1 hold the fp32 gradient. The step's states already count the fp32 gradient.
+    # the reverse); ZeRO-1 and gas 1 hold the fp32 gradient. The step's states already count the fp32 gradient.
     fp32_grad, held = 4 * part, accumulators
     if accumulators:
         one_bucket = reduce_bucket_size >= sum(numels)
         fp32_grad, held = (4 * part, 0) if one_bucket else (0, accumulators)
 
-    def at_boundary(s: ModelStates) -> ModelStates:
-        placed = offloaded(s, fp32_grad)
-        return ModelStates(placed.params, placed.grads - accumulators + held, placed.master, placed.optim_states)
-
-    placed = RankModelStates(at_boundary(states.boundary), offloaded(states.step, 0), states.wrapper)
+    placed = RankModelStates(offloaded(states.boundary, fp32_grad, held), offloaded(states.step, 0, accumulators),
+                             states.wrapper)
     host_boundary = ModelStates(host.params, fp32_grad + largest + held, host.master, host.optim_states)
     return PlacedStates(placed, host, host_boundary)
 
