@@ -1,18 +1,17 @@
 """Asynchronous saves (`hybrid3d.checkpoint.async`): the step is held only while each rank copies its states; a
 background thread writes the files; the commit of checkpoint/commit.py follows once every rank's files are durable.
 
-At a save each rank serialises the files DeepSpeed's engine would write into memory (`ds_internals.durable_save.
-snapshot_saves`: what `torch.save` writes, so the files hold the same records, the zip's top folder aside:
-`archive`, torch's name for an archive saved to memory, where a save to a path takes the file's stem) and hands them
-to a `BackgroundWriter`, which writes and fsyncs them, in order, while training goes on. The ranks learn together
-whether every writer is done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a
-flag; when all are done, their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`,
-pruning) exactly as a synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a
-crash during the write leaves the previous `latest`. At most one save is in flight: the next save, the end of
-training, a stop (SIGTERM, Ctrl-C) and a non-finite stop first wait for it and commit it.
-
-The copy is one more copy of a rank's states in host memory while the write runs (torch serialises device tensors
-through host memory); a thread rather than a process writes, as the bytes are already in this process.
+At a save each rank copies the state of every file DeepSpeed's engine would write to host memory
+(`ds_internals.durable_save.snapshot_saves` into a `host_copy.Snapshot`: pinned buffers for states on an
+accelerator) and hands the copies to a `BackgroundWriter`, which `torch.save`s them to their paths and fsyncs them,
+in order, while training goes on: the files are the synchronous save's, byte for byte for states on the host. A
+thread rather than a process writes, as the copies are in this process: `torch.save` to a path leaves the GIL to
+the training thread while it writes the storages. The ranks learn together whether every writer is done: at each
+step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done, their
+{path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a synchronous
+save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write leaves the
+previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM, Ctrl-C) and a
+non-finite stop first wait for it and commit it.
 """
 
 import os
@@ -21,11 +20,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
+import torch
+
 from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
 
 
 class BackgroundWriter:
-    """Writes {path: bytes} to disk on a thread of its own, each file fsync'ed (and its folder), in order."""
+    """Writes {path: (state, zipfile)} (`host_copy.Snapshot.files`) to disk with `torch.save` on a thread of its
+    own, each file fsync'ed (and its folder), in order."""
 
     def __init__(self, files: dict):
         self._files = files
@@ -39,10 +41,9 @@ class BackgroundWriter:
         started = time.perf_counter()
         try:
             folders = set()
-            for path, data in self._files.items():
+            for path, (state, zipfile) in self._files.items():
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-                with open(path, "wb") as f:
-                    f.write(data)
+                torch.save(state, path, _use_new_zipfile_serialization=zipfile)
                 self.written[path] = fsync_file(path)
                 folders.add(os.path.dirname(path))
             for folder in folders:
@@ -50,7 +51,7 @@ class BackgroundWriter:
         except BaseException as e:  # noqa: BLE001 - re-raised in the training thread by `wait`
             self.error = e
         finally:
-            self._files = {}  # the copies go as soon as they are on disk
+            self._files = {}  # the copies' buffers stay with the rank's HostBuffers for the next save
             self.seconds = time.perf_counter() - started
 
     def done(self) -> bool:

@@ -12,11 +12,10 @@ group, the expert groups (partitioned over expert data parallelism) included.
 """
 
 from pathlib import Path
-from typing import Optional
 
 import torch
 
-from hybrid3d.ds_internals.durable_save import fsync_file, serialised
+from hybrid3d.ds_internals.durable_save import fsync_file
 from hybrid3d.errors import CheckpointError, LayoutError
 
 EXPERT_PARAM = ".mlp.experts."  # hybrid3d's expert parameter names: `<i>.mlp.experts.<e>.<proj>.weight`
@@ -41,14 +40,15 @@ def expert_files(tag_dir, mp_rank: int) -> list[Path]:
     return sorted(Path(tag_dir).glob(f"experts_ep_rank_*_mp_rank_{mp_rank:02d}_model_states.pt"))
 
 
-def save_experts(module, tag_dir, ep_rank: int, mp_rank: int, snapshot: Optional[dict] = None) -> dict:
+def save_experts(module, tag_dir, ep_rank: int, mp_rank: int, snapshot=None) -> dict:
     """Write (and fsync) this rank's expert file: {path: bytes}. With `snapshot` (an asynchronous save,
-    checkpoint/async_save.py) its bytes go there as `snapshot[path]`, to be written in the background, and nothing
-    is written now ({} returned)."""
-    state = {n: t.detach().cpu().clone() for n, t in module.state_dict().items() if EXPERT_PARAM in n}
+    checkpoint/host_copy.Snapshot) its state is copied there, to be written in the background, and nothing is
+    written now ({} returned)."""
     path = expert_file(tag_dir, ep_rank, mp_rank)
+    # each expert tensor a storage of its own on the host (under ZeRO they view the flat buffer of their group)
+    state = {n: t.detach().to("cpu", copy=True) for n, t in module.state_dict().items() if EXPERT_PARAM in n}
     if snapshot is not None:
-        snapshot[str(path)] = serialised(state)
+        snapshot.keep(path, state)
         return {}
     torch.save(state, path)
     return {str(path): fsync_file(path)}

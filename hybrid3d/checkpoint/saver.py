@@ -17,6 +17,7 @@ from hybrid3d.checkpoint.commit import (
     staging_tag,
 )
 from hybrid3d.checkpoint.files import prune_checkpoints, tag_for_step
+from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
 from hybrid3d.checkpoint.schema import at_step, training_client_state
 from hybrid3d.ds_internals.zero3 import held
 from hybrid3d.errors import CheckpointError, NonFiniteError, ReportedError
@@ -47,6 +48,7 @@ class CheckpointSaver:
         self.is_rank0 = is_rank0
         self.asynchronous = asynchronous
         self.in_flight: Optional[InFlight] = None
+        self.host_buffers = HostBuffers() if asynchronous else None  # the copies' memory, kept from save to save
         self.waited_seconds = 0.0  # how long the last save waited for the one before it
         self.last_report: Optional[dict] = None  # the report of the save that wait committed
 
@@ -63,12 +65,13 @@ class CheckpointSaver:
         if self.is_rank0:
             prepare_staging(self.save_dir, tag, at_step(self.meta, step, samples))
         dist.barrier()
-        files = {} if self.asynchronous else None
+        snapshot = Snapshot(self.host_buffers) if self.asynchronous else None
         mine = self.trainer.save(str(self.save_dir), tag=staging_tag(tag), save_latest=False,
-                                 client_state=training_client_state(step, samples, rng), snapshot=files)
-        if self.asynchronous:  # every file of the rank is in `files` (expert files too), none written yet
-            copied = sum(len(data) for data in files.values())
-            self.in_flight = InFlight(tag, step, BackgroundWriter(files), time.perf_counter() - started, copied)
+                                 client_state=training_client_state(step, samples, rng), snapshot=snapshot)
+        if self.asynchronous:  # every file of the rank is in the snapshot (expert files too), none written yet
+            snapshot.wait_for_copies()
+            self.in_flight = InFlight(tag, step, BackgroundWriter(snapshot.files), time.perf_counter() - started,
+                                      snapshot.copied_bytes)
             return self.save_dir / tag
         self._commit(tag, step, mine)
         return self.save_dir / tag

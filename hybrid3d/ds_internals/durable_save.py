@@ -7,17 +7,13 @@ DeepSpeed 0.19.8 writes all of a checkpoint's files through the engine's checkpo
 file is written it is fsync'ed by the rank that wrote it (on a shared file system only the writing node can
 flush its cache) and its path and size are recorded, so the commit can check every rank's files in rank 0's
 view (checkpoint/commit.py). Files hybrid3d writes itself go through `fsync_file` and are recorded the same way.
-`snapshot_saves` is the asynchronous save's side of the same seam (checkpoint/async_save.py): each file's bytes, as
-`torch.save` would write them, are kept in memory instead, for a background thread to write.
+`snapshot_saves` is the asynchronous save's side of the same seam (checkpoint/async_save.py): each file's state is
+copied to host memory instead (checkpoint/host_copy.py), for a background thread to write.
 """
-
-import io
 
 import os
 from contextlib import contextmanager
 from pathlib import Path
-
-import torch
 
 
 def fsync_file(path) -> int:
@@ -57,26 +53,19 @@ def record_saves(engine, written: dict):
         checkpoint_engine.save = original
 
 
-def serialised(state, zipfile: bool = True) -> memoryview:
-    """The bytes `torch.save(state, path)` would write, in memory (a copy of the tensors as they are now)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer, _use_new_zipfile_serialization=zipfile)
-    return buffer.getbuffer()
-
-
 @contextmanager
-def snapshot_saves(engine, files: dict):
-    """Inside the block, each file the engine's checkpoint engine would save is serialised in memory instead:
-    `files[path] = bytes` (what `torch.save` writes to the file), a copy of the states as they are now."""
+def snapshot_saves(engine, snapshot):
+    """Inside the block, each file the engine's checkpoint engine would save goes to `snapshot.add(path, state,
+    zipfile)` instead (checkpoint/host_copy.Snapshot: a host copy of the state as it is now), none to disk."""
     checkpoint_engine = engine.checkpoint_engine
     original = checkpoint_engine.save
 
     def save(state_dict, path, *args, **kwargs):
-        files[str(Path(path))] = serialised(state_dict, getattr(checkpoint_engine, "zipfile_serialization", True))
+        snapshot.add(path, state_dict, getattr(checkpoint_engine, "zipfile_serialization", True))
         return None
 
     checkpoint_engine.save = save
     try:
-        yield files
+        yield snapshot
     finally:
         checkpoint_engine.save = original

@@ -107,11 +107,11 @@ class Trainer:
         raise NotImplementedError
 
     def save(self, save_dir: str, tag: Optional[str] = None, client_state: Optional[dict] = None,
-             save_latest: bool = True, snapshot: Optional[dict] = None) -> dict:
+             save_latest: bool = True, snapshot=None) -> dict:
         """DeepSpeed's checkpoint; with expert parallelism plus each expert-parallel rank's experts
-        (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed. `snapshot`: the
-        engine's files and the expert file go into it as {path: bytes} to be written later
-        (checkpoint/async_save.py), not to disk."""
+        (checkpoint/experts.py). Returns {path: bytes} of the files this rank wrote, each fsync'ed. `snapshot`
+        (checkpoint/host_copy.Snapshot): the engine's files and the expert file are copied into it, to be written
+        later (checkpoint/async_save.py), none to disk."""
         self._check_expert_checkpoint()
         written = {}
         with (snapshot_saves(self.engine, snapshot) if snapshot is not None else record_saves(self.engine, written)):

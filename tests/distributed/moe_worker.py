@@ -173,35 +173,26 @@ def run_one(run: dict, model_dir: str) -> dict:
     return report
 
 
-def same_records(one, other) -> bool:
-    """Whether two torch.save archives hold the same records byte for byte, whatever their top folders' names."""
-    import zipfile
-
-    def records(path):
-        with zipfile.ZipFile(path) as archive:
-            return {name.split("/", 1)[1]: archive.read(name) for name in archive.namelist()}
-
-    return records(one) == records(other)
-
-
 def save_both_ways(trainer, save_dir: str) -> dict:
     """Save the same state synchronously (tag "mid-sync") and as an asynchronous save does (tag "mid": every file
-    snapshot into memory, then written by checkpoint/async_save.py's background writer); {"mine": the files this rank
-    wrote in the background, relative to their tag, "same": whether each holds the synchronous save's records (the
-    zip's top folder is named differently: checkpoint/async_save.py)}."""
+    copied to host memory, then written by checkpoint/async_save.py's background writer); {"mine": the files this
+    rank wrote in the background, relative to their tag, "same": whether each is the synchronous save's file byte
+    for byte}."""
     from pathlib import Path
 
     import deepspeed.comm as dist
 
     from hybrid3d.checkpoint.async_save import BackgroundWriter
+    from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
 
     trainer.save(save_dir, tag="mid-sync")
-    files = {}
-    assert trainer.save(save_dir, tag="mid", snapshot=files) == {}  # nothing written before the background write
-    written = BackgroundWriter(files).wait()
+    snapshot = Snapshot(HostBuffers())
+    assert trainer.save(save_dir, tag="mid", snapshot=snapshot) == {}  # nothing written before the background write
+    written = BackgroundWriter(snapshot.files).wait()
     dist.barrier()
     mine = sorted(str(Path(path).relative_to(Path(save_dir) / "mid")) for path in written)
-    same = all(same_records(Path(path), Path(save_dir) / "mid-sync" / name) for path, name in zip(sorted(written), mine))
+    same = all(Path(path).read_bytes() == (Path(save_dir) / "mid-sync" / name).read_bytes()
+               for path, name in zip(sorted(written), mine))
     return {"mine": mine, "same": same}
 
 

@@ -32,6 +32,9 @@ def test_async_saves_write_the_synchronous_files_and_resume_exactly(uninterrupte
         for name in reference:
             for key, value in reference[name].items():
                 assert torch.equal(mine[name][key], value), (tag, name, key)
+            # byte for byte: torch.save of the host copy, later, writes what it would have written at the save
+            # (the optimizer and model-state files hold the run's config, which differs: "async")
+            assert (ours / tag / name).read_bytes() == (theirs / tag / name).read_bytes(), (tag, name)
         assert sorted(p.name for p in (ours / tag).iterdir()) == sorted(p.name for p in (theirs / tag).iterdir())
     assert (ours / "latest").read_text() == "global_step8"
     assert result.stdout.count("committed: the step was held") == 2
@@ -40,7 +43,7 @@ def test_async_saves_write_the_synchronous_files_and_resume_exactly(uninterrupte
     assert [r["checkpoint"] for r in saves] == ["global_step4", "global_step8"]
     assert all(r["held_s"] > 0 and r["write_s"] > 0 for r in saves)
     # the host copy the planner counts (planning/checkpoint_copy.py) against rank 0's (stage 0, fp32, ZeRO-1 at DP1):
-    # its layer files' weights and its optimizer partition (master and two moments), pickling left out
+    # its layer files' weights and its optimizer partition (master and two moments), the RNG states left out
     predicted = rank_copy_bytes(LlamaShape.from_hf(preset_config("tiny")), 2, 2, 0, 1, 1, "fp32")
     assert all(predicted <= r["copied_bytes"] <= predicted * 1.02 for r in saves), (predicted, saves)
     losses = [r["loss"] for r in records if "loss" in r]
@@ -53,8 +56,8 @@ def test_async_saves_write_the_synchronous_files_and_resume_exactly(uninterrupte
 
 
 def writer_killed_after_first_file(files: dict) -> None:
-    """A rank's background writer over `files` ({path: bytes}), its process killed -9 once the first file is on
-    disk (the writer fsyncs each file: the fault fires there)."""
+    """A rank's background writer over `files` ({path: (state, zipfile)}), its process killed -9 once the first
+    file is on disk (the writer fsyncs each file: the fault fires there)."""
     from hybrid3d.checkpoint import async_save
 
     def work(die):
@@ -81,7 +84,7 @@ def test_kill_9_during_a_background_write_keeps_the_last_commit(uninterrupted, t
         shutil.copytree(source / name, checkpoints / name)
     (checkpoints / "latest").write_text("global_step4")
     staged = checkpoints / "global_step8.incomplete"
-    files = {str(staged / p.relative_to(source / "global_step8")): p.read_bytes()
+    files = {str(staged / p.relative_to(source / "global_step8")): (torch.load(p, weights_only=False), True)
              for p in sorted((source / "global_step8").rglob("*.pt"))}
     writer_killed_after_first_file(files)
     assert (checkpoints / "latest").read_text() == "global_step4"
