@@ -15,15 +15,20 @@ The end-of-run save (always committed before the job ends) is not counted.
 
 Setups: "demo" (ds_configs/cpu_demo.json: the tiny preset at TP2 x PP2, 4 ranks) and "smollm2"
 (ds_configs/cpu_smollm2_chat.json: SmolLM2-135M's shape at TP3 x PP2, 6 ranks, ZeRO-1, random weights and the
-built-in tokenizer with ds_configs/chat_template.jinja: the checkpoint's size is what counts here).
+built-in tokenizer with ds_configs/chat_template.jinja: the checkpoint's size is what counts here), on the CPU; "gpu"
+on one GPU (launch/gpu_check.sh): ds_configs/gpu_llama2-7b_8gpu.json cut to one device and 8 of Llama 2's layers
+(0.54 B parameters, bf16 with fp32 masters, ZeRO-1, torch's AdamW: 7.5 GB a save, copied into pinned buffers), on
+generated documents; `--smoke` runs it at a tiny width on the CPU accelerator (to check the script).
 
-    python benchmarks/async_checkpoint.py                          # both setups, 2 repeats
+    python benchmarks/async_checkpoint.py                          # the CPU setups, 2 repeats
     python benchmarks/async_checkpoint.py --setups demo --repeats 1 --steps 8   # a smoke run
+    python benchmarks/async_checkpoint.py --setups gpu --repeats 1  # one GPU
 """
 
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -36,41 +41,71 @@ sys.path[:0] = [HERE, REPO]
 from common import environment_markdown, start_results  # noqa: E402
 
 # name -> (shipped config, ranks, steps, save interval)
-SETUPS = {"demo": ("cpu_demo.json", 4, 24, 6), "smollm2": ("cpu_smollm2_chat.json", 6, 7, 3)}
+SETUPS = {"demo": ("cpu_demo.json", 4, 24, 6), "smollm2": ("cpu_smollm2_chat.json", 6, 7, 3),
+          "gpu": ("gpu_llama2-7b_8gpu.json", 1, 30, 10)}
+CPU_SETUPS = ("demo", "smollm2")
 MODES = ("sync", "async")
+GPU_LAYERS = {"num_hidden_layers": 8}  # Llama 2's width: 0.54 B parameters with the embeddings
+SMOKE_SHAPE = {"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 176, "num_attention_heads": 4,
+               "num_key_value_heads": 4}
 
 
-def run_config(setup: str, mode: str, out_dir: str, steps: int, interval: int) -> dict:
+def one_gpu(raw: dict, tmp: str, smoke: bool) -> None:
+    """The "gpu" setup in `raw` (module docstring): one device, 8 layers (`smoke`: SMOKE_SHAPE), 2,048-token
+    sequences of generated documents, 2 x 8 micro-batches a step, torch's AdamW (DeepSpeed's fused Adam would build
+    for a minute first)."""
+    docs = os.path.join(tmp, "docs.jsonl")
+    if not os.path.exists(docs):
+        with open(docs, "w") as f:
+            for i in range(2000):
+                f.write(json.dumps({"text": f"Document {i}. " + "the quick brown fox jumps over it " * (40 + i % 50)})
+                        + "\n")
+    raw.update(train_micro_batch_size_per_gpu=2, gradient_accumulation_steps=8)
+    raw["optimizer"]["params"]["torch_adam"] = True
+    section = raw["hybrid3d"]
+    section.update(tensor_parallel_size=1, pipeline_parallel_size=1)
+    section["model"]["config_overrides"] = SMOKE_SHAPE if smoke else GPU_LAYERS
+    section["data"] = {"path": docs, "seq_length": 256 if smoke else 2048}
+
+
+def run_config(setup: str, mode: str, out_dir: str, steps: int, interval: int, smoke: bool = False) -> dict:
     """The shipped config of `setup` for one run: `steps` steps, a save every `interval`, every step logged, no
     evaluation, `mode`'s saves, output under `out_dir`."""
     name = SETUPS[setup][0]
     with open(os.path.join(REPO, "ds_configs", name)) as f:
         raw = json.load(f)
+    if setup == "gpu":
+        one_gpu(raw, os.path.dirname(out_dir), smoke)
     section = raw["hybrid3d"]
     section["train"].update(steps=steps, log_interval=1, eval_interval=0, output_dir=out_dir, overwrite=True)
     section["data"]["eval_fraction"] = 0.0
     if section["data"].get("format") == "chat":  # the built-in tokenizer has no template; the shipped one does
         section["data"]["chat_template"] = os.path.join(REPO, "ds_configs", "chat_template.jinja")
     raw.pop("scheduler", None)  # its total_num_steps is the shipped run's; a constant rate times the same
-    section["checkpoint"] = {"save_interval": interval, "keep_last": 2, "async": mode == "async"}
+    section["checkpoint"] = {"save_interval": interval, "keep_last": 1, "async": mode == "async"}
     return raw
 
 
-def train(setup: str, mode: str, tmp: str, steps: int, interval: int) -> list[dict]:
-    """One run through the launcher; its metrics.jsonl records."""
+def train(setup: str, mode: str, tmp: str, steps: int, interval: int, smoke: bool = False) -> list[dict]:
+    """One run through the launcher; its metrics.jsonl records (its checkpoints are deleted: the GPU machine's disk
+    holds a few of the "gpu" setup's)."""
     ranks = SETUPS[setup][1]
     out_dir = os.path.join(tmp, f"{setup}-{mode}")
     config = os.path.join(tmp, f"{setup}-{mode}.json")
     with open(config, "w") as f:
-        json.dump(run_config(setup, mode, out_dir, steps, interval), f)
-    env = dict(os.environ, DS_ACCELERATOR="cpu", PYTHONPATH=REPO)
+        json.dump(run_config(setup, mode, out_dir, steps, interval, smoke), f)
+    env = dict(os.environ, PYTHONPATH=REPO)
+    if setup in CPU_SETUPS or smoke:
+        env["DS_ACCELERATOR"] = "cpu"
     command = ["deepspeed", "--log_level", "error", "--num_gpus", str(ranks), os.path.join(REPO, "launch", "train.py"),
                "--deepspeed_config", config]
     done = subprocess.run(command, env=env, cwd=REPO, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"error: {setup} {mode} failed ({done.returncode}):\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+        records = [json.loads(line) for line in f]
+    shutil.rmtree(out_dir)
+    return records
 
 
 def figures(records: list[dict], steps: int, interval: int) -> dict:
@@ -117,10 +152,11 @@ def markdown(results: dict, env: dict, command: str) -> str:
 
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--setups", default=",".join(SETUPS))
+    parser.add_argument("--setups", default=",".join(CPU_SETUPS))
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="steps a run (default: the setup's)")
     parser.add_argument("--out", default=os.path.join(HERE, "results"))
+    parser.add_argument("--smoke", action="store_true", help="the gpu setup at a tiny width on the CPU accelerator")
     args = parser.parse_args(argv)
     setups = args.setups.split(",")
     unknown = [s for s in setups if s not in SETUPS]
@@ -135,7 +171,7 @@ def main(argv=None):
                 interval = SETUPS[setup][3] if args.steps is None else max(2, steps // 4)
                 for mode in MODES:
                     began = time.perf_counter()
-                    run = figures(train(setup, mode, tmp, steps, interval), steps, interval)
+                    run = figures(train(setup, mode, tmp, steps, interval, args.smoke), steps, interval)
                     raw[setup][mode].append(run)
                     print(f"[repeat {repeat + 1}] {setup} {mode}: normal {run['normal_s']:.3f} s, save steps "
                           f"{[round(v, 3) for v in run['save_step_s']]}, held {[round(v, 3) for v in run['held_s']]} "

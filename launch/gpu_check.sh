@@ -7,8 +7,10 @@
 # Installs the carried wheels and this checkout, records the machine, then runs the attention probe (the SDPA
 # kernel, time and memory of each mask case: benchmarks/attention_probe.py), the host-sync audit of two steps of a
 # dense and a MoE model (benchmarks/sync_audit.py), the GPU tier (tests/gpu: the layout matrix against HF on the
-# GPUs present, a shrunk GPU recipe through the real launcher, verify, resume, ring attention's block kernels) and
-# benchmarks/mfu.py, then mfu.py with compiled blocks and the chunked loss; every result lands under $OUT (default gpu_check_out/), each step's exit code in
+# GPUs present, a shrunk GPU recipe through the real launcher, verify, resume from an asynchronous save, ring
+# attention's block kernels, the pinned host copy), the asynchronous against synchronous saves on one GPU
+# (benchmarks/async_checkpoint.py --setups gpu) and benchmarks/mfu.py, then mfu.py with compiled blocks and the
+# chunked loss; every result lands under $OUT (default gpu_check_out/), each step's exit code in
 # $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
 # The lease is 15 minutes with the machine's start, and the device returns at most 8 files: every step's limit is
 # cut to what is left of GPU_CHECK_SECONDS (default 500), and the results are packed into $OUT/gpu_check.tar.gz
@@ -56,6 +58,12 @@ SMOKE=""; [ $CPU = 1 ] && SMOKE="--smoke"
 step attention_probe 60 $PY benchmarks/attention_probe.py $SMOKE --out "$RESULTS/attention"
 step sync_audit 90 $PY benchmarks/sync_audit.py $SMOKE --out "$RESULTS/sync"
 step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
+# what a save costs the steps, synchronous against asynchronous (pinned host copy, background write)
+if [ $CPU = 1 ]; then
+  step async_checkpoint 240 $PY benchmarks/async_checkpoint.py --setups gpu --smoke --repeats 1 --steps 8 --out "$RESULTS/async"
+else
+  step async_checkpoint 200 $PY benchmarks/async_checkpoint.py --setups gpu --repeats 1 --out "$RESULTS/async"
+fi
 if [ $CPU = 1 ]; then
   step mfu 240 $PY benchmarks/mfu.py --smoke --out "$RESULTS/mfu"
   step mfu_variants 240 $PY benchmarks/mfu.py --smoke --variants compiled chunked-loss --out "$RESULTS/mfu_variants"

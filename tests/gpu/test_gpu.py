@@ -104,9 +104,10 @@ def test_bf16_layout_tracks_fp32(matrix, run):
     assert not {n: g for n, g in gaps.items() if not g <= BF16_UPDATE_EXCESS}
 
 
-def shrunk_recipe(tmp: Path, steps: int, **train) -> Path:
+def shrunk_recipe(tmp: Path, steps: int, asynchronous: bool = False, **train) -> Path:
     """ds_configs/gpu_llama2-7b_8gpu.json with a 4-layer model, 256-token sequences, local data and
-    the layout cut to the devices present (bf16, fp32 masters, ZeRO-1, the LR schedule's shape kept)."""
+    the layout cut to the devices present (bf16, fp32 masters, ZeRO-1, the LR schedule's shape kept); saves every 2
+    steps, `asynchronous` ones if asked."""
     raw = json.loads((REPO / "ds_configs" / "gpu_llama2-7b_8gpu.json").read_text())
     tp, pp = min(2, DEVICES), 2 if DEVICES >= 4 else 1
     tmp.mkdir(parents=True, exist_ok=True)
@@ -121,7 +122,7 @@ def shrunk_recipe(tmp: Path, steps: int, **train) -> Path:
                                             "num_attention_heads": 8, "num_key_value_heads": 8}
     section["data"] = {"path": str(docs), "seq_length": 256}
     section["train"].update(steps=steps, log_interval=1, eval_interval=0, output_dir=str(tmp / "run"), **train)
-    section["checkpoint"] = {"save_interval": 2, "keep_last": 0}
+    section["checkpoint"] = {"save_interval": 2, "keep_last": 0, "async": asynchronous}
     path = tmp / "recipe.json"
     path.write_text(json.dumps(raw))
     return path
@@ -138,14 +139,17 @@ def test_shrunk_gpu_recipe_trains_and_resumes(tmp_path):
     assert full.returncode == 0, full.stdout[-3000:] + full.stderr[-3000:]
     losses = [m["loss"] for m in read_metrics(tmp_path / "full" / "run")]
     assert len(losses) == 6 and all(math.isfinite(x) for x in losses) and losses[-1] < losses[0]
-    # Stop after step 4, resume from `latest` to step 6: the same losses as the uninterrupted run.
-    config = shrunk_recipe(tmp_path / "part", 6)
+    # Stop after step 4 (its saves asynchronous: the states copied into pinned host buffers, written in the
+    # background), resume from `latest` to step 6: the same losses as the uninterrupted run.
+    config = shrunk_recipe(tmp_path / "part", 6, asynchronous=True)
     first = deepspeed(REPO / "launch" / "train.py", "--deepspeed_config", config, "--train.steps", "4", cwd=tmp_path)
     assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    saves = [m for m in read_metrics(tmp_path / "part" / "run") if "checkpoint" in m]
+    assert [m["checkpoint"] for m in saves] == ["global_step2", "global_step4"], saves
     resumed = deepspeed(REPO / "launch" / "train.py", "--deepspeed_config", config, "--checkpoint.load",
                         str(tmp_path / "part" / "run" / "checkpoints"), cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    metrics = read_metrics(tmp_path / "part" / "run")
+    metrics = [m for m in read_metrics(tmp_path / "part" / "run") if "loss" in m]
     assert [m["step"] for m in metrics] == [1, 2, 3, 4, 5, 6]
     assert loss_gap([m["loss"] for m in metrics[4:]], losses[4:]) <= BF16_LOSS_GAP  # bf16; kernels may differ run to run
 
@@ -159,6 +163,31 @@ def test_verify_passes_a_converted_checkpoint(tmp_path):
     result = deepspeed("--module", "hybrid3d.verify", "--hf-model", hf_dir, "--checkpoint", out, cwd=tmp_path)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "PASS" in result.stdout
+
+
+@pytest.mark.skipif(ON_CPU, reason="pinned memory needs a GPU; tests/unit/test_host_copy.py checks the host copy")
+def test_asynchronous_save_copies_device_states_into_pinned_memory(tmp_path):
+    """checkpoint/host_copy.py on the device: bf16 and fp32 states (views of one flat buffer, as ZeRO keeps them)
+    are copied into pinned buffers, the copy holds the values of the save after the device tensors change, and the
+    file written from it loads to those values, every tensor on the host."""
+    from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
+
+    flat = torch.randn(1 << 20, device="cuda")
+    state = {"module": {"w": torch.randn(256, 256, device="cuda", dtype=torch.bfloat16)},
+             "partitions": [flat[: 1 << 19], flat[1 << 19:].view(512, -1)], "step": 4}
+    expected = {"w": state["module"]["w"].cpu(), "flat": flat.cpu()}
+    snapshot = Snapshot(HostBuffers())
+    snapshot.add(tmp_path / "states.pt", state)
+    snapshot.wait_for_copies()
+    flat.add_(1)
+    state["module"]["w"].mul_(2)
+    [(copied, _)] = snapshot.files.values()
+    assert copied["module"]["w"].is_pinned() and copied["partitions"][0].is_pinned()
+    assert snapshot.copied_bytes == 256 * 256 * 2 + (1 << 20) * 4  # the flat buffer once
+    torch.save(copied, tmp_path / "states.pt")
+    loaded = torch.load(tmp_path / "states.pt", weights_only=True)
+    assert torch.equal(loaded["module"]["w"], expected["w"]) and loaded["module"]["w"].device.type == "cpu"
+    assert torch.equal(torch.cat([loaded["partitions"][0], loaded["partitions"][1].flatten()]), expected["flat"])
 
 
 @pytest.mark.gpu
