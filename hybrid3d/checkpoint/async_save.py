@@ -6,13 +6,12 @@ At a save each rank copies the state of every file DeepSpeed's engine would writ
 accelerator) and hands the copies to a `BackgroundWriter`, which `torch.save`s them to their paths and fsyncs them,
 in order, while training goes on: the files are the synchronous save's, byte for byte for states on the host. A
 thread rather than a process writes, as the copies are in this process: `torch.save` to a path leaves the GIL to
-the training thread while it writes the storages, and the writer runs at a lower CPU priority (`WRITER_NICENESS`),
-so where cores are short the training's threads take them first. The ranks learn together whether every writer is
-done: at each step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done,
-their {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a
-synchronous save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write
-leaves the previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM,
-Ctrl-C) and a non-finite stop first wait for it and commit it.
+the training thread while it writes the storages. The ranks learn together whether every writer is done: at each
+step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done, their
+{path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a synchronous
+save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write leaves the
+previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM, Ctrl-C) and a
+non-finite stop first wait for it and commit it.
 """
 
 import os
@@ -24,18 +23,6 @@ from typing import Optional
 import torch
 
 from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
-
-
-WRITER_NICENESS = 10  # the writer thread's nice value (Linux: per thread); training's threads keep 0
-
-
-def yield_cores_to_training() -> None:
-    """Lower the calling thread's CPU priority (Linux applies a thread id's nice value to that thread alone; raising
-    it needs no privilege). Elsewhere nothing changes."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICENESS)
-    except (AttributeError, OSError):
-        pass
 
 
 class BackgroundWriter:
@@ -52,7 +39,6 @@ class BackgroundWriter:
 
     def _write(self) -> None:
         started = time.perf_counter()
-        yield_cores_to_training()
         try:
             folders = set()
             for path, (state, zipfile) in self._files.items():

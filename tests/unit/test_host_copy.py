@@ -1,13 +1,7 @@
 """checkpoint/host_copy.py: `torch.save` of an asynchronous save's host copy, written after training has changed
-the states, is the file `torch.save` would have written at the save, byte for byte; checkpoint/async_save.py's writer
-thread yields the cores to training."""
-
-import os
-import threading
+the states, is the file `torch.save` would have written at the save, byte for byte."""
 
 import torch
-
-from hybrid3d.checkpoint.async_save import WRITER_NICENESS, yield_cores_to_training
 
 from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
 
@@ -89,18 +83,3 @@ def test_later_saves_reuse_the_buffers(tmp_path):
     third.add(tmp_path / "global_step12" / "states.pt", state)
     [(three, _)] = third.files.values()
     assert three["master"].data_ptr() != two["master"].data_ptr() and torch.equal(three["master"], state["master"])
-
-
-def test_the_writer_thread_alone_runs_at_a_lower_priority():
-    seen = {}
-
-    def writer():
-        yield_cores_to_training()
-        seen["writer"] = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-
-    base = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
-    thread = threading.Thread(target=writer)
-    thread.start()
-    thread.join()
-    assert seen["writer"] == max(base, WRITER_NICENESS)  # already nicer: lowering it back needs privilege
-    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == base  # this thread keeps its own
