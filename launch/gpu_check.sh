@@ -14,7 +14,8 @@
 # $OUT/steps.txt. A step that fails does not stop the next: one call must bring back everything it can.
 # The lease is 15 minutes with the machine's start, and the device returns at most 8 files: every step's limit is
 # cut to what is left of GPU_CHECK_SECONDS (default 500), and the results are packed into $OUT/gpu_check.tar.gz
-# (steps.txt and machine.txt also lie beside it).
+# (steps.txt and machine.txt also lie beside it). GPU_CHECK_STEPS="pytest_gpu async_checkpoint" runs only the named
+# steps (the installs always run): a session spends its minutes on what its open issues need.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_check_out}
@@ -28,6 +29,9 @@ if [ "${1:-}" = "--cpu" ]; then CPU=1; export HYBRID3D_GPU_TESTS_ON_CPU=1; fi
 
 step() {  # step NAME TIMEOUT_S COMMAND...: run it, its output to NAME.txt, its exit code to steps.txt
   local name=$1 limit=$2; shift 2
+  if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ $name != install* ]] && [[ " $GPU_CHECK_STEPS " != *" $name "* ]]; then
+    echo "$name skipped: not in GPU_CHECK_STEPS" >>"$RESULTS/steps.txt"; return
+  fi
   local left=$((DEADLINE - SECONDS - 15))  # 15 s kept for packing
   [ "$left" -lt "$limit" ] && limit=$left
   if [ "$limit" -le 5 ]; then echo "$name skipped: the deadline (${DEADLINE}s) is spent" | tee -a "$RESULTS/steps.txt"; return; fi
