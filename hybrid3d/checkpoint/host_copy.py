@@ -11,17 +11,37 @@ loaded to (DeepSpeed and hybrid3d load checkpoints onto the host first, `map_loc
 
 States on an accelerator go to page-locked ("pinned") host memory, all copies queued without waiting and one
 synchronisation at the end: a copy from device memory into pageable memory is staged and synchronous, so a pinned
-copy is the fast one (torchtitan's and Megatron-core's asynchronous saves stage into pinned memory too). The buffers
-are kept from one save to the next (`HostBuffers`: pinning is slow to allocate), as the next save only starts once the
+copy is the fast one (torchtitan's and Megatron-core's asynchronous saves stage into pinned memory too). On CUDA
+the buffers are plain host allocations registered with the driver (`exact_pinned`), not `pin_memory()`'s: torch's
+pinned allocator rounds every request up to a power of two, which would hold up to twice the states. The buffers are
+kept from one save to the next (`HostBuffers`: pinning is slow to allocate), as the next save only starts once the
 last one is written: a rank holds one copy of its states in host memory for the rest of the run, which the planner
 counts (planning/checkpoint_copy.py).
 """
 
 import copy
+import warnings
+import weakref
 from pathlib import Path
 
 import torch
 from deepspeed.accelerator import get_accelerator
+
+
+def exact_pinned(nbytes: int) -> torch.Tensor:
+    """(nbytes,) uint8 page-locked host memory of exactly `nbytes`: on CUDA a plain allocation registered with
+    `cudaHostRegister` (undone when the buffer is freed), since torch's pinned allocator (CachingHostAllocator) rounds
+    each request up to the next power of two; elsewhere, or if the driver refuses, the accelerator's `pin_memory`."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    if nbytes and torch.cuda.is_available():
+        cudart = torch.cuda.cudart()
+        error = int(cudart.cudaHostRegister(buffer.data_ptr(), nbytes, 0))
+        if error == 0:
+            weakref.finalize(buffer, cudart.cudaHostUnregister, buffer.data_ptr()).atexit = False
+            return buffer
+        warnings.warn(f"cudaHostRegister of {nbytes} bytes failed (CUDA error {error}): the checkpoint copy uses "
+                      "torch's pinned allocator, which rounds it up to a power of two")
+    return get_accelerator().pin_memory(buffer)
 
 
 class HostBuffers:
@@ -33,9 +53,7 @@ class HostBuffers:
     def take(self, slot: tuple, nbytes: int, pinned: bool) -> torch.Tensor:
         buffer = self._buffers.get(slot)
         if buffer is None or buffer.numel() != nbytes or buffer.is_pinned() != pinned:
-            buffer = torch.empty(nbytes, dtype=torch.uint8)
-            if pinned:
-                buffer = get_accelerator().pin_memory(buffer)
+            buffer = exact_pinned(nbytes) if pinned else torch.empty(nbytes, dtype=torch.uint8)
             self._buffers[slot] = buffer
         return buffer
 
