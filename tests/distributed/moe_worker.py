@@ -14,6 +14,7 @@ import os
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.async_saves import save_both_ways
 from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, STEPS, global_batch, micro_batches
 from tests.tiny_mixtral import load_mixtral
@@ -132,7 +133,7 @@ def run_one(run: dict, model_dir: str) -> dict:
             comms_logger.enabled = comms_logger.prof_all = True
         if step == run.get("resume_at"):  # save, then continue in a fresh trainer from the checkpoint
             save_dir = os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}")
-            async_files = save_both_ways(trainer, save_dir)
+            async_files = save_both_ways(trainer, save_dir, "mid")
             del trainer
             gc.collect()
             trainer = build()  # starts from the HF weights and a fresh optimizer: all must come from the files
@@ -171,29 +172,6 @@ def run_one(run: dict, model_dir: str) -> dict:
     del trainer, engine
     gc.collect()
     return report
-
-
-def save_both_ways(trainer, save_dir: str) -> dict:
-    """Save the same state synchronously (tag "mid-sync") and as an asynchronous save does (tag "mid": every file
-    copied to host memory, then written by checkpoint/async_save.py's background writer); {"mine": the files this
-    rank wrote in the background, relative to their tag, "same": whether each is the synchronous save's file byte
-    for byte}."""
-    from pathlib import Path
-
-    import deepspeed.comm as dist
-
-    from hybrid3d.checkpoint.async_save import BackgroundWriter
-    from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
-
-    trainer.save(save_dir, tag="mid-sync")
-    snapshot = Snapshot(HostBuffers())
-    assert trainer.save(save_dir, tag="mid", snapshot=snapshot) == {}  # nothing written before the background write
-    written = BackgroundWriter(snapshot.files).wait()
-    dist.barrier()
-    mine = sorted(str(Path(path).relative_to(Path(save_dir) / "mid")) for path in written)
-    same = all(Path(path).read_bytes() == (Path(save_dir) / "mid-sync" / name).read_bytes()
-               for path, name in zip(sorted(written), mine))
-    return {"mine": mine, "same": same}
 
 
 def moe_runs(rank, world_size, runs, model_dir):

@@ -10,6 +10,7 @@ start from, at step `start`), `probe` (count gradient bytes during the second st
 import gc
 
 
+from tests.distributed.async_saves import save_both_ways
 from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, micro_batches
 from tests.tiny_llama import load_hf
@@ -87,7 +88,8 @@ def run_one(run: dict, model_dirs: dict, ckpt_dir: str) -> dict:
             report["grads"] = {label: s.by_category["grads"] for label, s in probe.snapshots.items()}
     else:
         first, _ = _train(trainer, forwards, range(save_at))
-        trainer.save(ckpt_dir, tag=run["name"])
+        # the resume below and the universal run load the background-written files
+        report["async_files"] = save_both_ways(trainer, ckpt_dir, run["name"])
         report["saved_weights"] = _weights(trainer)
         rest, _ = _train(trainer, forwards, range(save_at, STEPS))
         report["losses"] = first + rest

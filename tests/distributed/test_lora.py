@@ -9,13 +9,13 @@ The reference starts from the adapter folder PEFT itself wrote (`init_lora_weigh
 every adapter has a gradient from the first step), and hybrid3d starts from the same folder (`hybrid3d.lora.adapter`).
 """
 
-import json
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.async_saves import save_both_ways
 from tests.distributed.engine_runs import CLIP, OPTIM, STEPS, WARMUP, global_batch
 from tests.distributed.engine_worker import train_runs
 from tests.distributed.reports import merged_weights, read_safetensors_folder
@@ -123,8 +123,8 @@ def resumed_run(run, dirs, save_root) -> dict:
         dp_rank, dp = trainer.groups.data_shard()
         for step in range(first, last):
             losses.append(trainer.train_step(micro_batches(step, dp_rank, dp, trainer.config.micro_batch_size)))
-        if not follows:
-            trainer.save(str(save_root), client_state={"step": last})
+        if not follows:  # the new trainer loads `latest`: the asynchronously written copy
+            async_files = save_both_ways(trainer, str(save_root), "mid", client_state={"step": last})
         else:
             weights = {k: v.clone() for k, v in gather_hf_state_dict(
                 trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()}
@@ -134,7 +134,7 @@ def resumed_run(run, dirs, save_root) -> dict:
                                                            hf.config, module_only=False))
         dist.barrier()
         trainer.close()
-    return {"losses": losses, "weights": weights}
+    return {"losses": losses, "weights": weights, "async_files": async_files}
 
 
 @pytest.fixture(scope="module")
@@ -228,6 +228,8 @@ def test_each_target_module_matters(results):
 def test_resume_from_an_adapter_only_checkpoint_is_exact(results):
     resumed, whole = results["runs"][RESUMED["name"]], results["runs"][RESUMED["of"]]
     assert [r["losses"] for r in resumed] == [r["losses"] for r in whole]
+    # resumed from an asynchronous save's files (async_saves.save_both_ways), the synchronous ones byte for byte
+    assert all(r["async_files"]["same"] and r["async_files"]["mine"] for r in resumed)
     ours, theirs = merged_weights(resumed), merged_weights(whole)
     assert all(torch.equal(ours[n], theirs[n]) for n in theirs)
     files = sorted((results["saved"] / "final").glob("*model_states.pt"))

@@ -130,7 +130,7 @@ def test_expert_parallel_checkpoint_exports_and_verifies(results, tmp_path):
     from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
 
     run = "EP2-DP2-Z2-resume"
-    # the step-3 checkpoint the run resumed from was written as an asynchronous save writes it (moe_worker.
+    # the step-3 checkpoint the run resumed from was written as an asynchronous save writes it (async_saves.
     # save_both_ways): each rank's expert file in the background too, byte for byte the synchronous save's files
     saved = [r["async_files"] for r in results["runs"][run]]
     assert all(s["same"] for s in saved)

@@ -170,7 +170,10 @@ def test_gradient_memory_matches_the_memory_model(bf16_results):
 
 
 def test_resume_in_the_same_layout_is_exact(results):
+    """From the asynchronously written checkpoint (async_saves.save_both_ways): every file the synchronous save's
+    byte for byte, and the resumed run the uninterrupted one bit for bit."""
     for report in results["runs"]["Z2-PP2-DP2"]:
+        assert report["async_files"]["same"] and report["async_files"]["mine"]
         assert report["resumed_losses"] == report["losses"][SAVE_AT:]
         for name, tensor in report["weights"].items():
             assert torch.equal(report["resumed_weights"][name], tensor), name
