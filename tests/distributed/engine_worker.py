@@ -4,6 +4,7 @@ import gc
 from pathlib import Path
 
 
+from tests.distributed.async_saves import save_both_ways
 from tests.distributed.worlds import each_run
 from tests.distributed.engine_runs import STEPS, ds_config, indexed_micro_batches, micro_batches
 from tests.tiny_llama import load_hf
@@ -62,9 +63,13 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
 
     if run.get("save"):  # a checkpoint for the export tests, next to the world's results
         trainer.save(str(Path(save_root) / run["name"]), client_state={})
+    async_files = None
+    if run.get("async_save"):
+        async_files = save_both_ways(trainer, str(Path(save_root) / run["name"]), "async")
     optimizer = trainer.engine.optimizer
     report = {
         "build_draws": build_draws.drawn,
+        "async_files": async_files,
         "data_summary": data_summary,
         "losses": losses,
         "grad_norms": grad_norms,

@@ -137,7 +137,9 @@ DUALPIPEV = {"pipeline_schedule": "dualpipev"}
 SCHEDULE_RUNS = [
     dict(name="DualPipeV-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=2, hybrid=DUALPIPEV),
     dict(name="DualPipeV-PP2-DP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=DUALPIPEV, extra=MICRO1),
-    dict(name="DualPipeV-tied-TP2-PP2-Z1", case="tied", tp=2, pp=2, zero=1, world=4, hybrid=DUALPIPEV),
+    # saved both ways after its steps (async_saves.save_both_ways): V-placed stages' files written in the background
+    dict(name="DualPipeV-tied-TP2-PP2-Z1", case="tied", tp=2, pp=2, zero=1, world=4, hybrid=DUALPIPEV,
+         async_save=True),
     dict(name="DualPipeV-tied-PP2-Z0", case="tied", tp=1, pp=2, zero=0, world=2, hybrid=DUALPIPEV),
     dict(name="DualPipeV-CP2-PP2-Z1", case="gqa", tp=1, pp=2, zero=1, world=4, hybrid=dict(DUALPIPEV, context_parallel_size=2),
          extra=MICRO1),
@@ -350,6 +352,8 @@ def test_dualpipev_matches_hf_over_five_steps(results, run):
     assert_losses_and_weights_match(ref, reports, run)
     # each rank holds stages r and 2p-1-r: the 4 blocks spread over 2p stages
     assert {r["blocks_on_rank"] for r in reports} == {4 // run["pp"]}
+    if run.get("async_save"):  # every file written in the background is the synchronous save's, byte for byte
+        assert all(r["async_files"]["same"] and r["async_files"]["mine"] for r in reports)
 
 
 @pytest.mark.parametrize("run", INTERLEAVED_RUNS, ids=lambda r: r["name"])
