@@ -23,11 +23,11 @@ ZERO3 = {"stage": 3, "stage3_param_persistence_threshold": 0}  # every tensor pa
 OFFLOADED = dict(ZERO3, offload_optimizer=CPU, offload_param=CPU)
 
 
-def zero_config(tmp_path, zero: dict, tp: int, asynchronous: bool = False):
-    """The shortened demo without a pipeline at `zero`; with offload_optimizer, DeepSpeed's CPU Adam (not torch's);
-    `asynchronous` saves if asked."""
+def zero_config(tmp_path, zero: dict, tp: int):
+    """The shortened demo without a pipeline at `zero`, its saves asynchronous; with offload_optimizer, DeepSpeed's
+    CPU Adam (not torch's)."""
     config = demo_config(tmp_path, tensor_parallel_size=tp, pipeline_parallel_size=1,
-                         checkpoint={"save_interval": 4, "keep_last": 0, "async": asynchronous})
+                         checkpoint={"save_interval": 4, "keep_last": 0, "async": True})
     raw = json.loads(config.read_text())
     raw["zero_optimization"] = zero
     if "offload_optimizer" in zero:
@@ -36,8 +36,8 @@ def zero_config(tmp_path, zero: dict, tp: int, asynchronous: bool = False):
     return config
 
 
-def trained_and_resumed(tmp_path, zero: dict, tp: int, ranks: int, asynchronous: bool = False) -> dict:
-    config = zero_config(tmp_path, zero, tp, asynchronous)
+def trained_and_resumed(tmp_path, zero: dict, tp: int, ranks: int) -> dict:
+    config = zero_config(tmp_path, zero, tp)
     trained = run_job(ranks, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
@@ -50,7 +50,7 @@ def trained_and_resumed(tmp_path, zero: dict, tp: int, ranks: int, asynchronous:
 @pytest.fixture(scope="module")
 def offloaded(tmp_path_factory):
     """TP1 x DP2, ZeRO-3 with the optimizer and the parameters offloaded, its saves asynchronous."""
-    return trained_and_resumed(tmp_path_factory.mktemp("zero3_offload"), OFFLOADED, tp=1, ranks=2, asynchronous=True)
+    return trained_and_resumed(tmp_path_factory.mktemp("zero3_offload"), OFFLOADED, tp=1, ranks=2)
 
 
 def test_zero3_with_offload_trains_and_resumes_exactly(offloaded):
