@@ -64,9 +64,9 @@ step sync_audit 90 $PY benchmarks/sync_audit.py $SMOKE --out "$RESULTS/sync"
 step pytest_gpu 200 $PY -m pytest -q -p no:cacheprovider -m gpu tests/gpu -ra
 # what a save costs the steps, synchronous against asynchronous (pinned host copy, background write)
 if [ $CPU = 1 ]; then
-  step async_checkpoint 240 $PY benchmarks/async_checkpoint.py --setups gpu --smoke --repeats 1 --steps 8 --out "$RESULTS/async"
+  step async_checkpoint 240 $PY benchmarks/async_checkpoint.py --setups gpu --modes sync,async --smoke --repeats 1 --steps 8 --out "$RESULTS/async"
 else
-  step async_checkpoint 200 $PY benchmarks/async_checkpoint.py --setups gpu --repeats 1 --out "$RESULTS/async"
+  step async_checkpoint 200 $PY benchmarks/async_checkpoint.py --setups gpu --modes sync,async --repeats 1 --out "$RESULTS/async"
 fi
 if [ $CPU = 1 ]; then
   step mfu 240 $PY benchmarks/mfu.py --smoke --out "$RESULTS/mfu"

@@ -6,7 +6,9 @@ At a save each rank copies the state of every file DeepSpeed's engine would writ
 accelerator) and hands the copies to a `BackgroundWriter`, which `torch.save`s them to their paths and fsyncs them,
 in order, while training goes on: the files are the synchronous save's, byte for byte for states on the host. A
 thread rather than a process writes, as the copies are in this process: `torch.save` to a path leaves the GIL to
-the training thread while it writes the storages. The ranks learn together whether every writer is done: at each
+the training thread while it writes the storages. By default the thread runs at Linux's idle scheduling policy
+(`async_writer: "idle"`, SCHED_IDLE), so it takes only CPU time no training thread wants: measured on 2 cores with six
+ranks, the write otherwise slowed the step after the save by the CPU it took (benchmarks/async_checkpoint.py). The ranks learn together whether every writer is done: at each
 step boundary (every rank calls `poll` at the same step) one all-reduce of a flag; when all are done, their
 {path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a synchronous
 save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write leaves the
@@ -25,12 +27,24 @@ import torch
 from hybrid3d.ds_internals.durable_save import fsync_dir, fsync_file
 
 
+def lower_to_idle_priority() -> bool:
+    """The calling thread to SCHED_IDLE (Linux applies scheduling policies per thread); False where the platform has
+    no such policy or refuses it (the thread then keeps its priority)."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except (AttributeError, OSError):
+        return False
+    return True
+
+
 class BackgroundWriter:
     """Writes {path: (state, zipfile)} (`host_copy.Snapshot.files`) to disk with `torch.save` on a thread of its
-    own, each file fsync'ed (and its folder), in order."""
+    own, each file fsync'ed (and its folder), in order; `idle`: at the idle scheduling policy."""
 
-    def __init__(self, files: dict):
+    def __init__(self, files: dict, idle: bool = True):
         self._files = files
+        self._idle = idle
+        self.at_idle_priority = False  # whether the thread ran at SCHED_IDLE
         self.written: dict = {}  # path -> bytes on disk, as each file is done
         self.error: Optional[BaseException] = None
         self.seconds = 0.0
@@ -39,6 +53,8 @@ class BackgroundWriter:
 
     def _write(self) -> None:
         started = time.perf_counter()
+        if self._idle:
+            self.at_idle_priority = lower_to_idle_priority()
         try:
             folders = set()
             for path, (state, zipfile) in self._files.items():

@@ -36,17 +36,18 @@ def weights_are_finite(module) -> bool:
 
 class CheckpointSaver:
     """Saves through the commit protocol of checkpoint/commit.py; never saves non-finite weights. `asynchronous`
-    (hybrid3d.checkpoint.async): a save copies the states and returns; the files are written in the background and
-    committed by a later `poll` or `finish` (checkpoint/async_save.py)."""
+    (hybrid3d.checkpoint.async): a save copies the states and returns; the files are written in the background (at
+    the idle scheduling policy if `idle_writer`) and committed by a later `poll` or `finish` (checkpoint/async_save.py)."""
 
     def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool,
-                 asynchronous: bool = False):
+                 asynchronous: bool = False, idle_writer: bool = True):
         self.trainer = trainer
         self.save_dir = save_dir
         self.meta = meta
         self.keep_last = keep_last
         self.is_rank0 = is_rank0
         self.asynchronous = asynchronous
+        self.idle_writer = idle_writer
         self.in_flight: Optional[InFlight] = None
         self.host_buffers = HostBuffers() if asynchronous else None  # the copies' memory, kept from save to save
         self.waited_seconds = 0.0  # how long the last save waited for the one before it
@@ -70,8 +71,8 @@ class CheckpointSaver:
                                  client_state=training_client_state(step, samples, rng), snapshot=snapshot)
         if self.asynchronous:  # every file of the rank is in the snapshot (expert files too), none written yet
             snapshot.wait_for_copies()
-            self.in_flight = InFlight(tag, step, BackgroundWriter(snapshot.files), time.perf_counter() - started,
-                                      snapshot.copied_bytes)
+            writer = BackgroundWriter(snapshot.files, self.idle_writer)
+            self.in_flight = InFlight(tag, step, writer, time.perf_counter() - started, snapshot.copied_bytes)
             return self.save_dir / tag
         self._commit(tag, step, mine)
         return self.save_dir / tag

@@ -67,6 +67,10 @@ class CheckpointSection:
     # JSON key "async": each rank copies its states at a save and trains on while a background thread writes them;
     # the commit follows once every rank's files are durable (checkpoint/async_save.py)
     asynchronous: bool = False
+    # the background writer's CPU priority: "idle" runs it only on CPU time no other thread wants (Linux SCHED_IDLE),
+    # so it never delays a training thread; "normal" shares the CPU like any thread (where the host's cores are
+    # always busy, e.g. with data workers, an idle writer would only finish when training waits for it)
+    async_writer: str = "idle"
 
 
 # PEFT's LoRA `target_modules` names hybrid3d adapts (model/tp_plan.py LORA_TARGETS maps them to weights)
@@ -252,6 +256,9 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
         raise ConfigError(f"{SECTION}.data.eval_fraction must be below 1, got {section.data.eval_fraction}")
     if section.data.format not in DATA_FORMATS:
         raise ConfigError(f"{SECTION}.data.format must be one of {', '.join(DATA_FORMATS)}, got {section.data.format!r}")
+    if section.checkpoint.async_writer not in ASYNC_WRITERS:
+        raise ConfigError(f"{SECTION}.checkpoint.async_writer must be one of {', '.join(ASYNC_WRITERS)}, "
+                          f"got {section.checkpoint.async_writer!r}")
     if section.train.on_nonfinite not in ("skip", "stop"):
         raise ConfigError(f"{SECTION}.train.on_nonfinite must be 'skip' or 'stop', got {section.train.on_nonfinite!r}")
     model = section.model
@@ -269,6 +276,7 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
 
 
 CONTEXT_PARALLEL_COMMS = ("a2a", "p2p", "a2a+p2p")
+ASYNC_WRITERS = ("idle", "normal")  # CheckpointSection.async_writer
 
 
 def _check_context_parallel_comm(section: HybridSection) -> None:

@@ -282,7 +282,8 @@ def run_in_world(job, eval_only: bool, rank: int) -> int:
                                     zero=trainer.config.zero_stage),
                       job.shape, source.hf_config, module_only=False)
     saver = CheckpointSaver(trainer, save_dir, meta, hybrid.checkpoint.keep_last, is_rank0,
-                            asynchronous=hybrid.checkpoint.asynchronous)
+                            asynchronous=hybrid.checkpoint.asynchronous,
+                            idle_writer=hybrid.checkpoint.async_writer == "idle")
     # Checkpoints before samples_consumed was read back (and module-only ones) count steps of this run's batch.
     cursor = DataCursor(int(client.get("samples_consumed", step * batch)))
     if job.plan is not None and cursor.samples_consumed != step * batch:

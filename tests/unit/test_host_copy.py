@@ -1,8 +1,13 @@
 """checkpoint/host_copy.py: `torch.save` of an asynchronous save's host copy, written after training has changed
-the states, is the file `torch.save` would have written at the save, byte for byte."""
+the states (by checkpoint/async_save.py's background writer), is the file `torch.save` would have written at the
+save, byte for byte."""
+
+import os
+import sys
 
 import torch
 
+from hybrid3d.checkpoint.async_save import BackgroundWriter
 from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
 
 
@@ -49,10 +54,12 @@ def test_the_copy_written_later_is_the_file_of_the_save(tmp_path):
     snapshot.add(tmp_path / "async" / "states.pt", state)
     snapshot.wait_for_copies()
     train_on(state, tensors)
-    (tmp_path / "async").mkdir()
-    [(copied, zipfile)] = snapshot.files.values()
-    torch.save(copied, tmp_path / "async" / "states.pt", _use_new_zipfile_serialization=zipfile)
+    policy = os.sched_getscheduler(0) if sys.platform == "linux" else None
+    writer = BackgroundWriter(snapshot.files)
+    assert writer.wait() == {str(tmp_path / "async" / "states.pt"): (tmp_path / "sync" / "states.pt").stat().st_size}
     assert (tmp_path / "async" / "states.pt").read_bytes() == (tmp_path / "sync" / "states.pt").read_bytes()
+    if sys.platform == "linux":  # the writer's thread ran at the idle policy; the thread that started it did not
+        assert writer.at_idle_priority and os.sched_getscheduler(0) == policy != os.SCHED_IDLE
     # each storage once (the flat buffer whole, as torch.save writes it), scalars and containers not counted
     storages = {t.untyped_storage()._cdata: t.untyped_storage().nbytes()
                 for t in (*state["module"].values(), *state["partitions"], state["master"], state["parameter"],

@@ -38,6 +38,8 @@ from tests.distributed.engine_runs import ds_config
     (lambda c: c["zero_optimization"].update(stage=3), "zero_optimization.stage=3 runs with "
                                                        "hybrid3d.pipeline_parallel_size 1 only"),
     (lambda c: c["hybrid3d"].update(loss_chunk_tokens=-1), "hybrid3d.loss_chunk_tokens must be >= 0, got -1"),
+    (lambda c: c["hybrid3d"].update(checkpoint={"async": True, "async_writer": "low"}),
+     "hybrid3d.checkpoint.async_writer must be one of idle, normal, got 'low'"),
 ])
 def test_bad_configs_are_refused_with_the_key(edit, needle):
     config = ds_config(tp=2, pp=2, zero=1)
