@@ -44,8 +44,12 @@ def launch_env() -> dict:
     return env
 
 
-def read_metrics(output_dir: Path) -> list[dict]:
-    return [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+def read_metrics(output_dir: Path, kind: str = "all") -> list[dict]:
+    """metrics.jsonl's records: "all", the "steps" (they have a loss) or the asynchronous "saves" (they name their
+    checkpoint; training/metrics.py writes no other kind)."""
+    records = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    keep = {"all": lambda r: True, "steps": lambda r: "loss" in r, "saves": lambda r: "checkpoint" in r}[kind]
+    return [r for r in records if keep(r)]
 
 
 def demo_config(tmp: Path, **hybrid_edits) -> Path:

@@ -2,7 +2,6 @@
 bit those of a synchronous save at the same step; a resume from them continues exactly; a process killed -9 while
 the background writer runs leaves the last committed `latest`, from which the job resumes exactly."""
 
-import json
 import shutil
 from pathlib import Path
 
@@ -38,20 +37,19 @@ def test_async_saves_write_the_synchronous_files_and_resume_exactly(uninterrupte
         assert sorted(p.name for p in (ours / tag).iterdir()) == sorted(p.name for p in (theirs / tag).iterdir())
     assert (ours / "latest").read_text() == "global_step8"
     assert result.stdout.count("committed: the step was held") == 2
-    records = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
-    saves = [r for r in records if "checkpoint" in r]
+    saves = read_metrics(tmp_path / "run", "saves")
     assert [r["checkpoint"] for r in saves] == ["global_step4", "global_step8"]
     assert all(r["held_s"] > 0 and r["write_s"] > 0 for r in saves)
     # the host copy the planner counts (planning/checkpoint_copy.py) against rank 0's (stage 0, fp32, ZeRO-1 at DP1):
     # its layer files' weights and its optimizer partition (master and two moments), the RNG states left out
     predicted = rank_copy_bytes(LlamaShape.from_hf(preset_config("tiny")), 2, 2, 0, 1, 1, "fp32")
     assert all(predicted <= r["copied_bytes"] <= predicted * 1.02 for r in saves), (predicted, saves)
-    losses = [r["loss"] for r in records if "loss" in r]
+    losses = [r["loss"] for r in read_metrics(tmp_path / "run", "steps")]
     assert losses == [m["loss"] for m in uninterrupted["metrics"]]
 
     resumed = resume_copy(4, config, tmp_path / "run", "global_step4", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    again = [m["loss"] for m in read_metrics(tmp_path / "resumed") if "loss" in m]
+    again = [m["loss"] for m in read_metrics(tmp_path / "resumed", "steps")]
     assert again == losses[-4:]
 
 
@@ -94,7 +92,7 @@ def test_kill_9_during_a_background_write_keeps_the_last_commit(uninterrupted, t
                          checkpoint={"save_interval": 4, "keep_last": 0, "async": True})
     resumed = run_job(4, config, "--checkpoint.load", "latest")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    losses = [m["loss"] for m in read_metrics(tmp_path / "run") if "loss" in m]
+    losses = [m["loss"] for m in read_metrics(tmp_path / "run", "steps")]
     assert losses[-4:] == [m["loss"] for m in uninterrupted["metrics"]][-4:]
     assert (checkpoints / "latest").read_text() == "global_step8" and not staged.exists()
     assert Path(checkpoints / "global_step8").is_dir()

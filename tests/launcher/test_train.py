@@ -78,7 +78,7 @@ def test_sigterm_during_a_background_write_commits_it_saves_and_resume_continues
     resumed = interrupted["resumed"]
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"at step {stop_step}" in resumed.stdout
-    metrics = [m for m in read_metrics(interrupted["out"]) if "loss" in m]  # without the saves' records
+    metrics = read_metrics(interrupted["out"], "steps")
     assert [m["step"] for m in metrics] == list(range(1, stop_step + 1)) + list(range(stop_step + 1, STEPS + 1))
     # fp32 on the CPU: the interrupted-and-resumed run is the uninterrupted run, bit for bit.
     assert [m["loss"] for m in metrics] == [m["loss"] for m in uninterrupted["metrics"]]
@@ -166,9 +166,8 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "interleaved 1F1B schedule (2 chunks per rank)" in trained.stdout
     assert "stage 0: layers 0-1 and 3-3" in trained.stdout  # rank 0 holds stages 0 and 2 of 4
-    records = read_metrics(tmp_path / "run")
-    assert [r["checkpoint"] for r in records if "checkpoint" in r] == ["global_step4", "global_step8"]
-    metrics = [r for r in records if "checkpoint" not in r]
+    assert [r["checkpoint"] for r in read_metrics(tmp_path / "run", "saves")] == ["global_step4", "global_step8"]
+    metrics = read_metrics(tmp_path / "run", "steps")
     reference = uninterrupted["metrics"]
     for field in ("loss", "eval_loss"):
         ours, theirs = [m.get(field) for m in metrics], [m.get(field) for m in reference]
@@ -179,7 +178,7 @@ def test_interleaved_run_trains_like_1f1b_resumes_exactly_and_reshards(uninterru
     resumed = resume_copy(4, config, tmp_path / "run", "global_step4", tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "through DeepSpeed's universal checkpoint" not in resumed.stdout
-    assert [m["loss"] for m in read_metrics(tmp_path / "resumed") if "loss" in m] == [m["loss"] for m in metrics[4:]]
+    assert [m["loss"] for m in read_metrics(tmp_path / "resumed", "steps")] == [m["loss"] for m in metrics[4:]]
 
     evaluated = run_job(1, config, "--tensor_parallel_size", "1", "--pipeline_parallel_size", "1",
                        "--pipeline_schedule", "1f1b", "--virtual_pipeline_size", "1", "--checkpoint.load",
@@ -307,8 +306,8 @@ def test_a_blend_stopped_after_a_checkpoint_resumes_megatron_cores_order_at_anot
     assert "layout TP1-PP1-DP2" in resumed.stdout and "through DeepSpeed's universal checkpoint" in resumed.stdout
     assert "data: continuing at sample 48 (the checkpoint's samples consumed; 3 steps of this run's 32 sequences " \
            "would be 96)" in resumed.stdout, resumed.stdout[-3000:]
-    first = [m for m in read_metrics(tmp_path / "run") if "loss" in m]
-    second = [m for m in read_metrics(tmp_path / "resumed") if "loss" in m]
+    first = read_metrics(tmp_path / "run", "steps")
+    second = read_metrics(tmp_path / "resumed", "steps")
     assert [(m["step"], m["samples_consumed"]) for m in first] == [(k, 16 * k) for k in range(1, 6)]
     assert [(m["step"], m["samples_consumed"]) for m in second] == [(4, 80), (5, 112)]
 
