@@ -75,7 +75,7 @@ from hybrid3d.config.sections import CONTEXT_PARALLEL_COMMS
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import check_schedule_stages, stage_bounds
 from hybrid3d.model.tp_plan import context_kv_heads, kv_heads_per_rank
-from hybrid3d.parallel.pipeline_schedules import PassOp, num_stages, peak_in_flight, schedule_orders
+from hybrid3d.parallel.pipeline_schedules import num_stages, weighted_peak_in_flight
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 
 
@@ -214,12 +214,6 @@ def rank_stages(schedule: str, p: int, rank: int, v: int = 1) -> list[int]:
     return [rank + k * p for k in range(v if schedule == "interleaved" else 1)]
 
 
-@lru_cache(maxsize=128)
-def _orders(schedule: str, p: int, m: int, v: int) -> tuple[tuple[PassOp, ...], ...]:
-    # Cached: the planner asks for the same orders for every rank, micro-batch size and ZeRO stage.
-    return tuple(tuple(order) for order in schedule_orders(schedule, p, m, v))
-
-
 @lru_cache(maxsize=4096)  # the planner's searches ask for the same stages thousands of times
 def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
     """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p)."""
@@ -266,4 +260,4 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
     check_schedule_stages(shape, pp, schedule, virtual)
     stages = num_stages(schedule, pp, virtual)
     weights = {sigma: stage_bytes(sigma, stages) for sigma in rank_stages(schedule, pp, stage, virtual)}
-    return peak_in_flight(_orders(schedule, pp, gas, virtual)[stage], weights.__getitem__) + recompute + per_rank
+    return weighted_peak_in_flight(schedule, pp, gas, virtual, stage, weights) + recompute + per_rank

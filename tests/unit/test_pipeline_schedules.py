@@ -16,6 +16,7 @@ from hybrid3d.parallel.pipeline_schedules import (
     peak_in_flight,
     run_timeline,
     schedule_orders,
+    weighted_peak_in_flight,
 )
 
 CASES = [(p, v, m) for p in (2, 4, 8) for v in (2, 3, 4) for m in (p, 2 * p, 4 * p)]
@@ -31,6 +32,22 @@ def test_interleaved_orders_run_every_pass_once_and_match_the_formula(p, v, m):
     for backward in (1.0, 2.0, 3.0):
         assert run_timeline(orders, 1.0, backward).bubble_fraction() == pytest.approx(
             (p - 1) / (v * m + p - 1), rel=1e-12)
+
+
+@pytest.mark.parametrize("schedule, p, v", [("1f1b", 4, 1), ("interleaved", 2, 2), ("interleaved", 4, 3),
+                                            ("dualpipev", 2, 1), ("dualpipev", 4, 1)])
+def test_the_weighted_peak_from_the_front_is_the_scan_of_the_whole_order(schedule, p, v):
+    """The planner's weighted peak (the order's undominated in-flight counts) equals walking the order, for weights
+    that favour either stage of a rank and equal ones."""
+    import random
+
+    rng = random.Random(0)
+    for m in (2 * p, 4 * p + 1 if schedule == "1f1b" else 4 * p):
+        for rank, order in enumerate(schedule_orders(schedule, p, m, v)):
+            stages = sorted({op.stage for op in order})
+            for weights in [dict.fromkeys(stages, 1.0)] + [{s: rng.uniform(0, 3e9) for s in stages} for _ in range(4)]:
+                assert weighted_peak_in_flight(schedule, p, m, v, rank, weights) == pytest.approx(
+                    peak_in_flight(order, weights.__getitem__), rel=1e-12)
 
 
 @pytest.mark.parametrize("p, m", [(2, 2), (2, 8), (4, 4), (4, 16), (8, 24)])
