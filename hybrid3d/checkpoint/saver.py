@@ -37,7 +37,8 @@ def weights_are_finite(module) -> bool:
 class CheckpointSaver:
     """Saves through the commit protocol of checkpoint/commit.py; never saves non-finite weights. `asynchronous`
     (hybrid3d.checkpoint.async): a save copies the states and returns; the files are written in the background (at
-    the idle scheduling policy if `idle_writer`) and committed by a later `poll` or `finish` (checkpoint/async_save.py)."""
+    the idle scheduling policy if `idle_writer`) and committed by a later `poll` or `finish`
+    (checkpoint/async_save.py)."""
 
     def __init__(self, trainer, save_dir: Path, meta: dict, keep_last: int, is_rank0: bool,
                  asynchronous: bool = False, idle_writer: bool = True):

@@ -95,7 +95,7 @@ def schedule_orders(schedule: str, p: int, m: int, v: int = 1, forward_only: boo
 @lru_cache(maxsize=256)
 def cached_orders(schedule: str, p: int, m: int, v: int = 1) -> tuple[tuple[PassOp, ...], ...]:
     """`schedule_orders`, kept: the planner asks for the same orders in many rows (its activation bytes and, for
-    DualPipeV, its bubble), and DualPipeV's come from DeepSpeed's instructions, ~0.1 s a rank at m = 512."""
+    DualPipeV, its bubble), and DualPipeV's come from walking DeepSpeed's instructions, the largest share of a plan."""
     return tuple(tuple(order) for order in schedule_orders(schedule, p, m, v))
 
 
@@ -192,7 +192,7 @@ def peak_in_flight(order: list[PassOp], stage_weight=None) -> float:
 def in_flight_front(schedule: str, p: int, m: int, v: int, rank: int) -> tuple[tuple, tuple]:
     """(the stages of rank `rank`'s order, the count vectors — passes in flight per stage — that no other point of
     the order exceeds in every stage). With non-negative stage weights the weighted peak (`peak_in_flight`) is met
-    at one of these few vectors, so the planner, which weighs the same order by many row's bytes, scans them instead
+    at one of these few vectors, so the planner, which weighs the same order by many rows' bytes, scans them instead
     of the whole order (thousands of passes at m = 512)."""
     order = cached_orders(schedule, p, m, v)[rank]
     stages = tuple(sorted({op.stage for op in order}))
