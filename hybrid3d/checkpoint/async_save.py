@@ -33,9 +33,9 @@ def lower_to_idle_priority() -> bool:
     no such policy or refuses it (the thread then keeps its priority)."""
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+        return os.sched_getscheduler(0) == os.SCHED_IDLE
     except (AttributeError, OSError):
         return False
-    return True
 
 
 class BackgroundWriter:
