@@ -10,11 +10,10 @@ the training thread while it writes the storages. By default the thread runs at 
 (`async_writer: "idle"`, SCHED_IDLE), so it takes only CPU time no training thread wants: measured on 2 cores with six
 ranks, a normal-priority writer slowed the steps after the save by the CPU it took (benchmarks/async_checkpoint.py).
 The ranks learn together whether every writer is done: at each step boundary (every rank calls `poll` at the same
-step) one all-reduce of a flag; when all are done, their
-{path: bytes} lists are gathered and rank 0 commits (manifest, rename, `latest`, pruning) exactly as a synchronous
-save does. Until then the tag is `<tag>.incomplete`, which no resume loads: a crash during the write leaves the
-previous `latest`. At most one save is in flight: the next save, the end of training, a stop (SIGTERM, Ctrl-C) and a
-non-finite stop first wait for it and commit it.
+step) one all-reduce of a flag; when all are done, their {path: bytes} lists are gathered and rank 0 commits
+(manifest, rename, `latest`, pruning) exactly as a synchronous save does. Until then the tag is `<tag>.incomplete`,
+which no resume loads: a crash during the write leaves the previous `latest`. At most one save is in flight: the next
+save, the end of training, a stop (SIGTERM, Ctrl-C) and a non-finite stop first wait for it and commit it.
 """
 
 import os

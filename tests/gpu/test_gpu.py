@@ -168,8 +168,9 @@ def test_verify_passes_a_converted_checkpoint(tmp_path):
 @pytest.mark.skipif(ON_CPU, reason="pinned memory needs a GPU; tests/unit/test_host_copy.py checks the host copy")
 def test_asynchronous_save_copies_device_states_into_pinned_memory(tmp_path):
     """checkpoint/host_copy.py on the device: bf16 and fp32 states (views of one flat buffer, as ZeRO keeps them)
-    are copied into pinned buffers (registered with the driver at their exact size), the copy holds the values of the save after the device tensors change, and the
-    file written from it loads to those values, every tensor on the host."""
+    are copied into pinned buffers (registered with the driver at their exact size), the copy holds the values of
+    the save after the device tensors change, and the file written from it loads to those values, every tensor on
+    the host."""
     from hybrid3d.checkpoint.host_copy import HostBuffers, Snapshot
 
     flat = torch.randn(1 << 20, device="cuda")
