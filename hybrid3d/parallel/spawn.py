@@ -11,11 +11,21 @@ that fails retires its world (its ranks may be out of step), and so does one aft
 more than RETIRE_THREADS threads (the groups of earlier runs that could not be freed); the next call of
 that size starts a fresh one. `run_world` is one call in a world of its own. A world's shared-memory segments are
 removed when it ends.
+
+A pool made with `preload=True` (the test suite's) forks its ranks from one server process that imported torch,
+DeepSpeed, transformers and hybrid3d's trainer once (multiprocessing's "forkserver" with a preload list), instead of
+starting each rank as a fresh interpreter ("spawn") that imports them again: the first run of every rank of every
+world otherwise pays those imports (measured on 2 cores: test_engine.py's world of 8 took 25 s for its first call
+spawned, 6 s forked; the module 122 s -> 90 s). The server never initialises an accelerator or a thread pool, so a
+forked rank starts as a spawned one would. It imports DeepSpeed, which fixes its accelerator at import, so it serves
+only CPU worlds (DS_ACCELERATOR unset or "cpu", the accelerator `_init_rank` gives a rank by default); a world on
+another accelerator is spawned.
 """
 
 import contextlib
 import gc
 import io
+import multiprocessing.forkserver
 import os
 import queue
 import socket
@@ -39,6 +49,8 @@ CALL_TIMEOUT_S = 1800  # a call that runs longer than this is taken as hung: its
 # yet the same 39 runs took 54 s in a world at 352-698 threads and 74 s at 698-1000; starting a world of 4 costs
 # ~10 s on 2 cores, which a bound of 200 paid three more times per suite.
 RETIRE_THREADS = 600
+# What a preloading pool's fork server imports once for every rank it forks (see the module docstring)
+PRELOAD = ["torch", "deepspeed", "transformers", "hybrid3d.training.trainer", "deepspeed.runtime.pipe.engine"]
 
 
 def _thread_count() -> int:
@@ -103,9 +115,25 @@ def _serve(rank, world_size, port, inbox, outbox):
     dist.destroy_process_group()
 
 
+def _rank_context(preload: bool):
+    """How a world's ranks start: forked from the preloaded server (CPU worlds of a preloading pool), else spawned."""
+    if not preload or os.environ.get("DS_ACCELERATOR", "cpu") != "cpu":
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    previous = os.environ.get("DS_ACCELERATOR")
+    os.environ["DS_ACCELERATOR"] = "cpu"  # the server's environment, fixed when it starts (once per process)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["DS_ACCELERATOR"]
+    return context
+
+
 class _World:
-    def __init__(self, world_size: int):
-        context = mp.get_context("spawn")
+    def __init__(self, world_size: int, preload: bool = False):
+        context = _rank_context(preload)
         self.size, self.port = world_size, free_port()
         self.inboxes = [context.SimpleQueue() for _ in range(world_size)]
         self.outbox = context.Queue()
@@ -153,8 +181,10 @@ class _World:
 class WorldPool:
     """One spawned world per size, kept for many calls (see the module docstring)."""
 
-    def __init__(self):
+    def __init__(self, preload: bool = False):
+        """`preload`: fork CPU worlds' ranks from a server that imported PRELOAD once (the module docstring)."""
         self._worlds: dict[int, _World] = {}
+        self._preload = preload
 
     def run(self, fn, world_size: int, result_dir: str, *args, timeout: float = CALL_TIMEOUT_S) -> list:
         """Run `fn(rank, world_size, *args)` on every rank of the world of `world_size`; return each rank's result.
@@ -164,7 +194,7 @@ class WorldPool:
         paths = [os.path.join(result_dir, f"rank{r}.pt") for r in range(world_size)]
         world = self._worlds.get(world_size)
         if world is None:
-            world = self._worlds[world_size] = _World(world_size)
+            world = self._worlds[world_size] = _World(world_size, self._preload)
         failure = world.call(fn, args, paths, timeout)
         if failure is not None:
             del self._worlds[world_size]

@@ -10,7 +10,7 @@ from hybrid3d.parallel.spawn import WorldPool, end_run, free_port
 
 __all__ = ["SESSION_POOL", "each_run", "free_port", "run_world", "run_worlds_by_size"]
 
-SESSION_POOL = WorldPool()
+SESSION_POOL = WorldPool(preload=True)  # ranks forked from one import of torch, DeepSpeed, transformers
 
 
 def run_world(fn, world_size: int, result_dir: str, *args, timeout: float | None = None) -> list:
