@@ -26,6 +26,9 @@ def start_world(timeout: timedelta | None = None, backend: str | None = None) ->
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    from hybrid3d.ds_internals.cpu_info import share_cpu_info
+
+    share_cpu_info()  # the op loads ahead (CPU Adam, fused Adam) probe the CPU once per machine run, not twice per op
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(int(os.environ.get("LOCAL_RANK", "0")))

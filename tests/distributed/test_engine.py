@@ -207,8 +207,10 @@ OFFLOAD_RUNS = [
          extra={"zero_optimization": dict(Z3, offload_optimizer=CPU, offload_param=CPU)}, save=True),
     # ZeRO-Infinity (Rajbhandari et al. 2021): the optimizer states and the weight partitions swapped to files through
     # DeepSpeed's async I/O op (libaio; its nvme_path set per run by engine_worker); buffers of 2e4 elements, above
-    # the largest parameter of the tiny model, instead of DeepSpeed's 1e8
-    dict(name="offload-Z3-nvme-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM,
+    # the largest parameter of the tiny model, instead of DeepSpeed's 1e8. The full tier only (`--full`): that op is
+    # the longest build of the suite (100-170 s on 2 cores) and serves this run alone; without libaio the refusal is
+    # tests/unit/test_run_config_refusals.py::test_nvme_offload_without_libaio_is_one_line.
+    dict(name="offload-Z3-nvme-DP2", case="gqa", tp=1, pp=1, zero=3, world=2, optimizer=CPU_ADAM, full=True,
          extra={"zero_optimization": dict(Z3, offload_optimizer={"device": "nvme"},
                                           offload_param={"device": "nvme", "buffer_size": 20_000,
                                                          "buffer_count": 5})}),
@@ -257,9 +259,19 @@ def reference(results, run) -> dict:
     return results["ref"][run["case"] + ("-megatron" if run.get("data") == "megatron" else "")]
 
 
+def in_tier(runs: list[dict], config) -> list[dict]:
+    """`runs` without those of the full tier (`full=True`) unless pytest runs with --full."""
+    return [run for run in runs if config.getoption("--full") or not run.get("full")]
+
+
+def cases(runs: list[dict]) -> list:
+    """`runs` as test parameters named by run, those of the full tier marked `full` (tests/conftest.py)."""
+    return [pytest.param(run, id=run["name"], marks=[pytest.mark.full] if run.get("full") else []) for run in runs]
+
+
 @pytest.fixture(scope="module")
-def results(tmp_path_factory):
-    return train_worlds(tmp_path_factory.mktemp("engine"), ALL_RUNS)
+def results(tmp_path_factory, request):
+    return train_worlds(tmp_path_factory.mktemp("engine"), in_tier(ALL_RUNS, request.config))
 
 
 @pytest.fixture(scope="module")
@@ -451,7 +463,7 @@ def test_compiled_blocks_match_hf_over_five_steps(results, run):
     assert_losses_and_weights_match(results["ref"][run["case"]], reports, run)
 
 
-@pytest.mark.parametrize("run", ZERO3_RUNS + OFFLOAD_RUNS, ids=lambda r: r["name"])
+@pytest.mark.parametrize("run", cases(ZERO3_RUNS + OFFLOAD_RUNS))
 def test_zero3_and_offload_match_hf_over_five_steps(results, run):
     """Losses, per-step gradient norms and weights within 1e-5 of HF + torch AdamW; ZeRO-3 holds 1/Nd of every
     parameter (Nd = d·c; padded to DeepSpeed's alignment) from the build on, and offload runs DeepSpeed's host path."""
