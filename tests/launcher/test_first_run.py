@@ -19,6 +19,7 @@ import psutil
 import pytest
 
 from tests.launcher.harness import REPO, TRAIN, deepspeed_command, deepspeed_launcher, demo_config, launch_env
+from tests.launcher.in_world import run_job
 
 
 def python_env() -> dict:
@@ -124,7 +125,7 @@ def run_python(args, cwd, timeout=400) -> subprocess.CompletedProcess:
 def test_plain_python_runs_as_one_rank_and_writes_nothing_into_the_checkpoint(ctrl_c, tmp_path):
     """No launcher: the TP2 x PP2 layout says how to launch it; at TP1 x PP1 the Ctrl-C checkpoint evaluates through
     the universal checkpoint without writing into its folder; a second run into the folder is refused, a resume
-    below the checkpoint's step too."""
+    below the checkpoint's step too (those two as jobs in the pooled world: their subject is the job's rule)."""
     config, checkpoints = ctrl_c["config"], ctrl_c["out"] / "checkpoints"
     before = sorted(p.name for p in checkpoints.iterdir())
     needs = run_python([str(TRAIN), "--deepspeed_config", str(config)], tmp_path)
@@ -141,10 +142,10 @@ def test_plain_python_runs_as_one_rank_and_writes_nothing_into_the_checkpoint(ct
     assert re.search(r"eval_loss \S+ perplexity", evaluated.stdout)
     assert sorted(p.name for p in checkpoints.iterdir()) == before  # no <tag>_universal, no latest_universal
 
-    again = run_python([str(TRAIN), "--deepspeed_config", str(config), *one], tmp_path)  # the same folder, no resume
+    # the refusals are the job's, not the process's: in the pooled world of 1 (tests/launcher/in_world.py)
+    again = run_job(1, config, *one)  # the same folder, no resume
     assert again.returncode == 2 and "holds a previous run" in again.stderr and "--train.overwrite true" in again.stderr
-    below = run_python([str(TRAIN), "--deepspeed_config", str(config), *one, "--checkpoint.load", "latest",
-                        "--train.steps", "1"], tmp_path)
+    below = run_job(1, config, *one, "--checkpoint.load", "latest", "--train.steps", "1")
     assert below.returncode == 2 and "is not above the step of the checkpoint" in below.stderr, below.stderr[-2000:]
     assert sorted(p.name for p in checkpoints.iterdir()) == before
 

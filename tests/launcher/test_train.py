@@ -10,7 +10,6 @@ import math
 import re
 import signal
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -411,11 +410,12 @@ def test_chat_fine_tune_demo_runs_on_the_converted_demo_model(uninterrupted, tmp
     """The README's fine-tuning path: the demo's checkpoint exported to HF, then ds_configs/cpu_chat_finetune.json
     (the built-in conversations, chat template, document masking) trains from it; bad chat data ends with one
     line, exit 2, and no output folder."""
+    from hybrid3d.convert.__main__ import main as convert_main
+
     export = tmp_path / "tiny-hf"
-    converted = subprocess.run([sys.executable, "-m", "hybrid3d.convert", "hybrid2hf", "--checkpoint",
-                                str(uninterrupted["out"] / "checkpoints"), "--out", str(export)],
-                               capture_output=True, text=True, timeout=300, cwd=REPO)
-    assert converted.returncode == 0, converted.stdout[-2000:] + converted.stderr[-2000:]
+    # the export's command line, in this process (the command as a process: test_first_run's README commands)
+    assert convert_main(["hybrid2hf", "--checkpoint", str(uninterrupted["out"] / "checkpoints"), "--out",
+                         str(export)]) == 0
     config = config_copy(REPO / "ds_configs" / "cpu_chat_finetune.json", tmp_path / "chat.json", tmp_path / "chat")
     common = ("--model.hf_model", str(export), "--data.chat_template", str(REPO / "ds_configs" / "chat_template.jinja"),
               "--train.steps", "4", "--train.eval_interval", "4", "--train.log_interval", "1",
