@@ -29,7 +29,7 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [HERE, os.path.dirname(HERE)]  # benchmarks/ helpers and this checkout's hybrid3d
-from hybrid3d.training.quiet_start import hold_back_deepspeed_log  # noqa: E402
+from hybrid3d.ds_internals.quiet_start import hold_back_deepspeed_log  # noqa: E402
 
 hold_back_deepspeed_log(sys.argv)  # before DeepSpeed is imported, here and in the spawned ranks (same argv)
 from common import environment_markdown, int_list, median, random_batches, start_results, timed  # noqa

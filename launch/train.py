@@ -5,7 +5,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # run from a checkout without installing
 
-from hybrid3d.training.quiet_start import hold_back_deepspeed_log  # noqa: E402
+from hybrid3d.ds_internals.quiet_start import hold_back_deepspeed_log  # noqa: E402
 
 hold_back_deepspeed_log(sys.argv)  # before DeepSpeed's import logs once per rank
 

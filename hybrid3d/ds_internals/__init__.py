@@ -10,7 +10,8 @@ when their all-reduce may serve a group in shm_all_reduce.py,
 the process groups and engines a run leaves behind in process_groups.py, the Muon module's import-time
 `torch.compile` deferred to first use in muon_import.py, `ds_to_universal` run in this process in
 universal_convert.py, the comms logger's calling functions in comms_callers.py, the engine's optimizer step
-in step_timing.py, TORCH_CUDA_ARCH_LIST spelled for the JIT op builder in op_build_arch.py, the grid's topology (`grid_topology`),
+in step_timing.py, TORCH_CUDA_ARCH_LIST spelled for the JIT op builder in op_build_arch.py, the op builders' CPU
+probe kept once per machine run in cpu_info.py, the grid's topology (`grid_topology`),
 PipelineModule's stage bounds below and in pipeline_bounds.py), so they are written and tested against one version:
 `check_deepspeed_version()` turns any other into one line at start-up.
 """

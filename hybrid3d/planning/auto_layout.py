@@ -29,7 +29,7 @@ from typing import Optional
 from hybrid3d.config.sections import SECTION
 from hybrid3d.errors import ConfigError
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.planning.hints import gb, no_fit_hints
+from hybrid3d.planning.hints import gb, job_fit_hints, least_memory_line
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
 from hybrid3d.planning.offload_plan import NO_OFFLOAD
 from hybrid3d.planning.planner import Choice, plan
@@ -193,9 +193,11 @@ def decide(shape: LlamaShape, cluster: Cluster, request: Request, offload: bool)
     if not rows:
         given = ", ".join(f"{k}={v}" for k, v in sorted(request.fixed.items())) or "nothing"
         if least:
-            hints = no_fit_hints(least[0], cluster.gpus, cluster.gpu_memory_gb, cluster.reserve_gb)
+            hints = job_fit_hints(least[0], cluster.gpus, cluster.gpu_memory_gb, cluster.reserve_gb)
             raise ConfigError(f"\"auto\": no layout fits {cluster.gpu_memory_gb:g} GB per device "
-                              f"(hybrid3d.device_memory_gb): " + "; ".join(h.strip(" -") for h in hints[:2]))
+                              f"(hybrid3d.device_memory_gb): "
+                              f"{least_memory_line(least[0], cluster.gpu_memory_gb, cluster.reserve_gb)}; "
+                              f"what would fit: {'; '.join(hints)}")
         first = next((r for r in refused if "needs >=" not in r), "the values given exclude every layout")
         raise ConfigError(f"\"auto\": no layout of {cluster.gpus} ranks has the values given ({given}): {first}")
     chosen = choose(rows, cluster.gpu_memory_gb)

@@ -35,11 +35,7 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
     already among the options tried, so a smaller batch does not help."""
     if least is None:
         return []
-    name = f"TP{least.tp} PP{least.pp}" + (f" CP{least.cp}" if least.cp > 1 else "") + f" DP{least.dp}"
-    lines = [f"the least memory any option needs: {gb(least.memory_gb)} GB per GPU ({name} ZeRO-{least.zero}, "
-             f"micro-batch {least.micro_batch}{', checkpointing' if least.checkpointing else ''}"
-             f"{', SP' if least.sp else ''}): {gb(least.states_gb)} model states + {gb(least.activations_gb)} "
-             f"activations + {reserve_gb:g} reserve > {gpu_memory_gb:g}. What would fit:"]
+    lines = [least_memory_line(least, gpu_memory_gb, reserve_gb) + ". What would fit:"]
     room = gpu_memory_gb - reserve_gb - least.activations_gb
     if room > 0:
         # model states shrink about in proportion to the GPUs sharing the model (more stages, TP, or ZeRO ranks)
@@ -56,3 +52,27 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
     lines.append("  - ZeRO-3 and offload to host memory are among the options tried; NVMe offload (ZeRO-Infinity's "
                  "offload_param/offload_optimizer device nvme) is not modelled here")
     return lines
+
+
+def job_fit_hints(least, ranks: int, budget_gb: float, reserve_gb: float) -> list[str]:
+    """When no layout fits a training job's "auto" budget: from the option needing the least memory (`least`), the
+    changes that would make it fit, each named by what the job is given (config keys, the rank count), never a
+    planner flag; a change that cannot help (a shorter sequence when the model states alone overflow) is left out."""
+    hints = [f"hybrid3d.device_memory_gb >= {gb(least.memory_gb)}"]
+    room = budget_gb - reserve_gb - least.activations_gb
+    if room > 0:  # the states shrink about in proportion to the ranks sharing the model
+        hints.append(f"about {ranks * 2 ** max(1, math.ceil(math.log2(least.states_gb / room)))} ranks "
+                     f"(the model states must shrink {least.states_gb / room:.1f}x)")
+    elif least.states_gb + reserve_gb < budget_gb:  # the activations alone overflow: a shorter sequence fits
+        hints.append(f"a shorter hybrid3d.data.seq_length (the activations alone, {gb(least.activations_gb)} GB, "
+                     f"exceed the {gb(budget_gb - reserve_gb - least.states_gb)} GB the model states leave)")
+    return hints
+
+
+def least_memory_line(least, budget_gb: float, reserve_gb: float) -> str:
+    """The option needing the least memory, and its parts, against the budget."""
+    name = f"TP{least.tp} PP{least.pp}" + (f" CP{least.cp}" if least.cp > 1 else "") + f" DP{least.dp}"
+    return (f"the least memory any option needs: {gb(least.memory_gb)} GB per GPU ({name} ZeRO-{least.zero}, "
+            f"micro-batch {least.micro_batch}{', checkpointing' if least.checkpointing else ''}"
+            f"{', SP' if least.sp else ''}): {gb(least.states_gb)} model states + {gb(least.activations_gb)} "
+            f"activations + {reserve_gb:g} reserve > {budget_gb:g}")

@@ -122,6 +122,8 @@ def test_refusals_are_one_line(tiny):
     message = str(nothing_fits.value)
     assert "\n" not in message and "no layout fits 0.001 GB per device" in message
     assert "the least memory any option needs" in message
+    # a job's hints name its config keys, and only changes that would fit: no planner flag, no empty list
+    assert "what would fit: hybrid3d.device_memory_gb >= " in message and "--" not in message and ":;" not in message
     # SP needs TP > 1, which a world of 1 cannot give: contradicts the support table
     with pytest.raises(ConfigError, match="no layout of 1 ranks has the values given"):
         decided(tiny, config(layout="auto", sequence_parallel=True), world=1)

@@ -44,7 +44,7 @@ def test_deepspeed_import_log_is_held_back_in_a_rank_unless_verbose():
     import subprocess
     import sys
 
-    code = ("import sys; from hybrid3d.training.quiet_start import hold_back_deepspeed_log; "
+    code = ("import sys; from hybrid3d.ds_internals.quiet_start import hold_back_deepspeed_log; "
             "hold_back_deepspeed_log(sys.argv[1:]); import deepspeed; from deepspeed.utils import logger; "
             "logger.warning('a warning'); logger.error('an error')")
     quiet = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
