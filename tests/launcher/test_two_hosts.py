@@ -41,12 +41,17 @@ def job_dir(tmp: Path, uninterrupted) -> Path:
     config_copy(uninterrupted["config"], tmp / "config.json", tmp / "run")
     (tmp / "hostfile").write_text(HOSTFILE)
     bin_dir = str(Path(sys.executable).parent)
+    # DeepSpeed's JIT-built ops where this session keeps them (tests/op_builds.py built them there): without it the
+    # remote ranks look in the default cache, and build the shared-memory op again there if this session's cache is
+    # elsewhere (measured: the test took 59 s instead of 15 s)
+    ops = os.environ.get("TORCH_EXTENSIONS_DIR")
     # KEY=VALUE lines, no blank ones (DeepSpeed splits every line on '=')
     (tmp / ".deepspeed_env").write_text(
         f"GLOO_SOCKET_IFNAME={IFNAME}\n"  # the link between the hosts; the same name in both namespaces
         f"PYTHONPATH={REPO}\n"  # this checkout, whatever the editable install points at
         "OMP_NUM_THREADS=1\n"  # 4 ranks share 2 cores
-        f"PATH={bin_dir}:{os.environ['PATH']}\n")  # an ssh session starts with the login shell's PATH
+        f"PATH={bin_dir}:{os.environ['PATH']}\n"  # an ssh session starts with the login shell's PATH
+        + (f"TORCH_EXTENSIONS_DIR={ops}\n" if ops else ""))
     return tmp
 
 
