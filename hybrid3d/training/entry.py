@@ -18,7 +18,7 @@ from hybrid3d.checkpoint.experts import check_expert_checkpoints
 from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
 from hybrid3d.checkpoint.schema import recorded_schedule, saved_step as checkpoint_step, structure
 from hybrid3d.config.overrides import apply_overrides, parse_override_args
-from hybrid3d.config.sections import SECTION, parse_hybrid_section, read_json
+from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section, read_json
 from hybrid3d.data.indexed import is_indexed_prefix
 from hybrid3d.data.pipeline import data_paths
 from hybrid3d.ds_internals import check_deepspeed_version
@@ -83,17 +83,50 @@ class Job:
         return self.run.shape
 
 
-def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
-    """`standalone`: a single process started without a launcher (world size 1)."""
-    from deepspeed.accelerator import get_accelerator
+@dataclasses.dataclass(frozen=True)
+class RunRequest:
+    """Start-up phase 1, `read`: the JSON with the command line's overrides applied, "auto" values kept."""
 
-    check_deepspeed_version()
+    raw: dict  # as given: <output_dir>/config.json
+    override_log: list
+    auto: list  # the keys left "auto" (planning.auto_layout.auto_keys)
 
-    raw = read_json(args.deepspeed_config)
+
+@dataclasses.dataclass(frozen=True)
+class ResolvedRun:
+    """Start-up phase 2, `resolve`: every "auto" decided (a request without one passes through unchanged), with the
+    model the decision was made for and the lines saying what was chosen and why."""
+
+    raw: dict  # what runs: <output_dir>/resolved_config.json
+    hybrid: HybridSection
+    source: ModelSource
+    shape: LlamaShape  # as the HF config gives it (validate applies the section's padding and adapters)
+    reasons: list
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedRun:
+    """Start-up phase 4, `open`: what the files say (output folders, the checkpoint to resume, the HF weights)."""
+
+    run: ValidRun  # the checkpoint's stages kept on a resume
+    save_dir: Path
+    output_dir: Path
+    plan: ResumePlan | None
+    hf_weights: HFSource | None
+    start_over: bool
+
+
+def read(config_path: str, overrides) -> RunRequest:
+    """The JSON and the overrides; refusals: the file, a key's value that cannot be read."""
+    raw = read_json(config_path)
     override_log = apply_overrides(raw, overrides)
-    given = copy.deepcopy(raw)  # as given: <output_dir>/config.json
-    keys = auto_keys(raw)
-    hybrid = parse_hybrid_section(placeholder_config(raw) if keys else raw)
+    return RunRequest(copy.deepcopy(raw), override_log, auto_keys(raw))
+
+
+def resolve(request: RunRequest, world_size: int, standalone: bool, on_cpu: bool) -> ResolvedRun:
+    """The model the run trains and the "auto" keys decided for it (training/auto_start.py, called once)."""
+    raw = copy.deepcopy(request.raw)
+    hybrid = parse_hybrid_section(placeholder_config(raw) if request.auto else raw)
     ranks = hybrid.tensor_parallel_size * hybrid.pipeline_parallel_size * hybrid.context_parallel_size
     if standalone and ranks > 1:
         sizes = " x ".join(f"{k} {getattr(hybrid, k)}" for k in ("tensor_parallel_size", "pipeline_parallel_size",
@@ -101,18 +134,25 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
         raise ConfigError(launch_hint(ranks, f"hybrid3d.{sizes}", "launch/train.py --deepspeed_config ..."))
     source = resolve_model(hybrid.model, hybrid.data)
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
-    on_cpu = get_accelerator().device_name() == "cpu"
-    auto_lines = []
-    if keys:  # the planner decides, then the one validation pass checks the config it wrote (training/auto_start.py)
-        raw, auto_lines = resolve_auto(raw, shape, world_size, on_cpu)
+    reasons = []
+    if request.auto:  # the planner decides; validate then checks the config it wrote like any written-out one
+        raw, reasons = resolve_auto(raw, shape, world_size, on_cpu)
         hybrid = parse_hybrid_section(raw)
-    run = validate_run(raw, world_size, shape, on_cpu=on_cpu, hybrid=hybrid)
-    layout, shape = run.layout, run.shape
-    check_expert_checkpoints(layout.ep, layout.pp)  # the job always saves at the end
+    return ResolvedRun(raw, hybrid, source, shape, reasons)
+
+
+def validate(resolved: ResolvedRun, world_size: int, on_cpu: bool) -> ValidRun:
+    """Every refusal that needs no file, in one pass (training/validation.py: the support table, DeepSpeed's checks,
+    the layout against the model, the sequence), and whether the run's experts can be saved."""
+    run = validate_run(resolved.raw, world_size, resolved.shape, on_cpu=on_cpu, hybrid=resolved.hybrid)
+    check_expert_checkpoints(run.layout.ep, run.layout.pp)  # the job always saves at the end
+    return run
+
+
+def open_run(run: ValidRun, raw: dict, eval_only: bool) -> OpenedRun:
+    """Every refusal that reads a file: the data, the output folder, the checkpoint to resume, the HF weights."""
+    hybrid, layout, shape = run.config.hybrid, run.layout, run.shape
     train, data = hybrid.train, hybrid.data
-    if data.seq_length > shape.max_position_embeddings:
-        raise ConfigError(f"hybrid3d.data.seq_length ({data.seq_length}) exceeds the model's "
-                          f"max_position_embeddings ({shape.max_position_embeddings})")
     for key, path in data_paths(data):
         if not (glob.glob(path) or is_indexed_prefix(path)):
             raise ConfigError(f"{key}: {path} does not exist")
@@ -138,14 +178,14 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
             raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
                               f"{plan.meta['layout']}; a LoRA checkpoint resumes at the same layout only (or export "
                               "it with hybrid2hf --lora adapter and start from it with hybrid3d.lora.adapter)")
-    if args.eval_only and plan is None:
+    if eval_only and plan is None:
         raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
     saved_step = checkpoint_step(plan.meta) if plan is not None else 0
-    if not args.eval_only and saved_step >= train.steps:
+    if not eval_only and saved_step >= train.steps:
         raise ConfigError(f"hybrid3d.train.steps ({train.steps}) is not above the step of the checkpoint "
                           f"{plan.load_dir / plan.tag} ({saved_step}): nothing to train (raise train.steps, or "
                           "use --eval-only to evaluate it)")
-    start_over = not args.eval_only and check_output_folder(output_dir, save_dir, plan, train.overwrite)
+    start_over = not eval_only and check_output_folder(output_dir, save_dir, plan, train.overwrite)
     hf_weights = None
     # a LoRA run's checkpoints hold its adapters only: the frozen base always comes from the HF folder
     if hybrid.model.init_from_hf and (plan is None or shape.lora_rank):
@@ -154,8 +194,23 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
         missing = sorted(names - set(hf_weights))
         if missing:
             raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
-    return Job(raw, run, source, save_dir, output_dir, plan, hf_weights, override_log,
-               verbose=args.verbose, start_over=start_over, given=given, auto_lines=auto_lines)
+    return OpenedRun(run, save_dir, output_dir, plan, hf_weights, start_over)
+
+
+def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
+    """Start-up in four phases before any process group exists: read, resolve, validate, open. `standalone`: a single
+    process started without a launcher (world size 1)."""
+    from deepspeed.accelerator import get_accelerator
+
+    check_deepspeed_version()
+    on_cpu = get_accelerator().device_name() == "cpu"
+    request = read(args.deepspeed_config, overrides)
+    resolved = resolve(request, world_size, standalone, on_cpu)
+    run = validate(resolved, world_size, on_cpu)
+    opened = open_run(run, resolved.raw, args.eval_only)
+    return Job(resolved.raw, opened.run, resolved.source, opened.save_dir, opened.output_dir, opened.plan,
+               opened.hf_weights, request.override_log, verbose=args.verbose, start_over=opened.start_over,
+               given=request.raw, auto_lines=resolved.reasons)
 
 
 def main(argv=None) -> int:
