@@ -39,7 +39,9 @@ def share_cpu_info() -> None:
 
 
 def cpu_info() -> dict | None:
-    """py-cpuinfo's answer through the shared form (probing once if no process before did); None without it."""
+    """py-cpuinfo's answer through the shared form (installing it, and probing once if no process before did); None
+    without py-cpuinfo."""
+    share_cpu_info()
     try:
         import cpuinfo
     except ImportError:

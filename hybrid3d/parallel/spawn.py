@@ -36,7 +36,7 @@ import traceback
 import torch
 import torch.multiprocessing as mp
 
-from hybrid3d.ds_internals.cpu_info import cpu_info, share_cpu_info
+from hybrid3d.ds_internals.cpu_info import cpu_info
 from hybrid3d.ds_internals.process_groups import destroy_engines, release_process_groups
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.parallel.threads import threads_per_rank, usable_cores
@@ -122,7 +122,6 @@ def _rank_context(preload: bool):
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
-    share_cpu_info()
     cpu_info()  # probed here, once, and inherited by the server and every rank it forks (ds_internals/cpu_info.py)
     previous = os.environ.get("DS_ACCELERATOR")
     os.environ["DS_ACCELERATOR"] = "cpu"  # the server's environment, fixed when it starts (once per process)

@@ -29,6 +29,17 @@ def gb(value: float) -> str:
     return f"{value:.2f}" if value < 10 else f"{value:.1f}"
 
 
+def room_for_states(least, budget_gb: float, reserve_gb: float) -> float:
+    """GB a device has left for the model states of option `least` once its activations and the reserve are in."""
+    return budget_gb - reserve_gb - least.activations_gb
+
+
+def ranks_to_fit(least, ranks: int, room_gb: float) -> int:
+    """About how many ranks (a power-of-two multiple of `ranks`) would shrink `least`'s model states into `room_gb`:
+    they shrink about in proportion to the ranks sharing the model (more stages, TP, or ZeRO ranks)."""
+    return ranks * 2 ** max(1, math.ceil(math.log2(least.states_gb / room_gb)))
+
+
 def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> list[str]:
     """When no layout fits: from the option needing the least memory (`least`, a planner Choice), what would
     change that: more GPUs (estimated), a shorter sequence, offload; checkpointing and micro-batch 1 are
@@ -36,11 +47,10 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
     if least is None:
         return []
     lines = [least_memory_line(least, gpu_memory_gb, reserve_gb) + ". What would fit:"]
-    room = gpu_memory_gb - reserve_gb - least.activations_gb
+    room = room_for_states(least, gpu_memory_gb, reserve_gb)
     if room > 0:
-        # model states shrink about in proportion to the GPUs sharing the model (more stages, TP, or ZeRO ranks)
-        more = gpus * 2 ** max(1, math.ceil(math.log2(least.states_gb / room)))
-        lines.append(f"  - more GPUs: the model states must shrink {least.states_gb / room:.1f}x; try --gpus {more}")
+        lines.append(f"  - more GPUs: the model states must shrink {least.states_gb / room:.1f}x; "
+                     f"try --gpus {ranks_to_fit(least, gpus, room)}")
     else:
         lines.append(f"  - a shorter --seq-length: the activations alone ({gb(least.activations_gb)} GB) leave no "
                      "room for the model states")
@@ -59,9 +69,9 @@ def job_fit_hints(least, ranks: int, budget_gb: float, reserve_gb: float) -> lis
     changes that would make it fit, each named by what the job is given (config keys, the rank count), never a
     planner flag; a change that cannot help (a shorter sequence when the model states alone overflow) is left out."""
     hints = [f"hybrid3d.device_memory_gb >= {gb(least.memory_gb)}"]
-    room = budget_gb - reserve_gb - least.activations_gb
-    if room > 0:  # the states shrink about in proportion to the ranks sharing the model
-        hints.append(f"about {ranks * 2 ** max(1, math.ceil(math.log2(least.states_gb / room)))} ranks "
+    room = room_for_states(least, budget_gb, reserve_gb)
+    if room > 0:
+        hints.append(f"about {ranks_to_fit(least, ranks, room)} ranks "
                      f"(the model states must shrink {least.states_gb / room:.1f}x)")
     elif least.states_gb + reserve_gb < budget_gb:  # the activations alone overflow: a shorter sequence fits
         hints.append(f"a shorter hybrid3d.data.seq_length (the activations alone, {gb(least.activations_gb)} GB, "

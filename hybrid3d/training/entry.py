@@ -5,7 +5,6 @@ user error ends every rank with one line on stderr, exit code 2, and nothing wri
 """
 
 import argparse
-import copy
 import dataclasses
 import gc
 import glob
@@ -120,12 +119,12 @@ def read(config_path: str, overrides) -> RunRequest:
     """The JSON and the overrides; refusals: the file, a key's value that cannot be read."""
     raw = read_json(config_path)
     override_log = apply_overrides(raw, overrides)
-    return RunRequest(copy.deepcopy(raw), override_log, auto_keys(raw))
+    return RunRequest(raw, override_log, auto_keys(raw))
 
 
 def resolve(request: RunRequest, world_size: int, standalone: bool, on_cpu: bool) -> ResolvedRun:
     """The model the run trains and the "auto" keys decided for it (training/auto_start.py, called once)."""
-    raw = copy.deepcopy(request.raw)
+    raw = request.raw  # the planner writes its decision into a copy (auto_layout.apply_choice): `raw` stays as given
     hybrid = parse_hybrid_section(placeholder_config(raw) if request.auto else raw)
     ranks = hybrid.tensor_parallel_size * hybrid.pipeline_parallel_size * hybrid.context_parallel_size
     if standalone and ranks > 1:
