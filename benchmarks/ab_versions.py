@@ -57,9 +57,14 @@ def build_version(package: str, tp: int, precision: str, args, model_dir: str):
     shape = importlib.import_module(package + ".model").LlamaShape.from_hf(hf.config)
     build_trainer = importlib.import_module(package + ".training.trainer").build_trainer
     config = ds_config(args, precision, {"hybrid3d": {"tensor_parallel_size": tp}})
-    try:  # a version with one validation pass takes only its result
-        validate_run = importlib.import_module(package + ".training.validation").validate_run
-    except ModuleNotFoundError:  # an earlier version validates the JSON inside build_trainer
+    validate_run = None  # a version with one validation pass takes only its result (config/, earlier training/)
+    for owner in (".config.validation", ".training.validation"):
+        try:
+            validate_run = importlib.import_module(package + owner).validate_run
+            break
+        except ModuleNotFoundError:
+            pass
+    if validate_run is None:  # an earlier version validates the JSON inside build_trainer
         trainer = build_trainer(config, shape, hf_state_dict=hf.state_dict())
     else:
         import deepspeed.comm as dist

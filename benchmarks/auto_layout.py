@@ -35,7 +35,8 @@ hold_back_deepspeed_log(sys.argv)  # before DeepSpeed is imported, here and in t
 from common import environment_markdown, int_list, median, random_batches, start_results, timed  # noqa
 
 from hybrid3d.model import LlamaShape  # noqa: E402
-from hybrid3d.planning.auto_layout import apply_choice, auto_keys, decide, read_request, row_label  # noqa: E402
+from hybrid3d.config.auto_values import auto_keys, read_request  # noqa: E402
+from hybrid3d.planning.auto_layout import apply_choice, decide, row_label  # noqa: E402
 from hybrid3d.planning.machines import cpu_cluster  # noqa: E402
 
 # The three models the issue names, CPU-sized: dense GQA (the tiny preset's shape), a tied small-vocabulary one,

@@ -199,6 +199,6 @@ def build_trainer_from_json(raw: dict, shape, hf_state_dict=None):
     import deepspeed.comm as dist
 
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     return build_trainer(validate_run(raw, dist.get_world_size(), shape), hf_state_dict=hf_state_dict)

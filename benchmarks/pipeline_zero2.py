@@ -49,7 +49,7 @@ from common import (  # noqa: E402
 SHAPE = dict(vocab_size=4096, hidden_size=128, intermediate_size=352, num_layers=4, num_heads=4, num_kv_heads=2,
              head_dim=32)
 BUCKET = 50_000  # elements: small against a stage, as a real bucket is against a real stage
-from hybrid3d.config.sections import DEFAULT_PARTITION  # noqa: E402
+from hybrid3d.model.pipe import DEFAULT_PARTITION_METHOD  # noqa: E402
 from hybrid3d.ds_internals.comms_callers import GRADIENT_REDUCE_CALLERS as GRAD_CALLERS  # noqa: E402
 from hybrid3d.ds_internals.comms_callers import PARAMETER_GATHER_CALLERS as GATHER_CALLERS  # noqa: E402
 
@@ -200,7 +200,7 @@ def write(out_dir: str, table: list[dict], env: dict, command: str, args) -> Non
     lines = [
         "# ZeRO-2 with pipeline stages vs ZeRO-1 (bf16 weights, fp32 gradient accumulation)", "",
         environment_markdown(env, command),
-        f"- model: Llama {SHAPE}, PP2 (partition_method `{DEFAULT_PARTITION}`), micro-batch 1 x seq {args.seq}, "
+        f"- model: Llama {SHAPE}, PP2 (partition_method `{DEFAULT_PARTITION_METHOD}`), micro-batch 1 x seq {args.seq}, "
         f"GAS {args.gas}, reduce_bucket_size {BUCKET} elements, AdamW, clip 1.0",
         f"- second step; gradient bytes of each stage's worst DP rank, traffic of its DP rank 0; step time: "
         f"median of {args.steps} steps (slowest rank) measured side by side in one world", "",

@@ -1,6 +1,7 @@
 """Where `checkpoint.load` points, whether that checkpoint is whole and is this model's, and how to
 load it into the current layout (natively, or resharded through DeepSpeed's universal checkpoint)."""
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -8,9 +9,10 @@ from typing import Optional
 
 from hybrid3d.checkpoint.files import META_FILE, read_meta
 from hybrid3d.checkpoint.schema import (is_module_only, manifest, recorded_schedule, saved_layout, saved_schedule,
-                                      structure)
-from hybrid3d.config.sections import DEFAULT_PARTITION
+                                      saved_step as checkpoint_step, structure)
+from hybrid3d.config.validation import ValidRun
 from hybrid3d.errors import CheckpointError, ConfigError
+from hybrid3d.model.pipe import DEFAULT_PARTITION_METHOD, run_stage_bounds
 
 
 @dataclass
@@ -69,7 +71,7 @@ def check_manifest(tag_dir: Path, meta: dict) -> None:
 
 def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, shape_dict: dict,
                 cp: int = 1, schedule: str = "1f1b", virtual: int = 1, ep: int = 1,
-                partition: str = DEFAULT_PARTITION, partition_set: bool = True,
+                partition: str = DEFAULT_PARTITION_METHOD, partition_set: bool = True,
                 bounds: Optional[Sequence[int]] = None, zero: int = 1) -> ResumePlan:
     """Check the checkpoint against the model and decide native vs universal loading (a checkpoint
     saved before context parallelism existed has cp = 1; ZeRO partitions span d·c ranks). The pipeline
@@ -110,6 +112,39 @@ def plan_resume(load: str, save_dir: Optional[str], tp: int, pp: int, dp: int, s
     if module_only or plan.universal:  # weights only load by layer whatever the stages; a reshard re-cuts them
         return plan
     return partition_stages(plan, saved, ours["partition"], partition_set, bounds)
+
+
+def plan_run_resume(run: ValidRun, save_dir: Path, partition_set: bool) -> ResumePlan:
+    """`plan_resume` for a validated run (`partition_set`: hybrid3d.partition_method given), with the run kept at
+    the checkpoint's stages where the plan says so (`ResumePlan.run`). The checkpoints a universal resume cannot
+    reshard (experts, adapters) are refused."""
+    hybrid, layout, shape = run.config.hybrid, run.layout, run.shape
+    schedule = (hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
+    plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp,
+                       structure(dataclasses.asdict(shape)),
+                       cp=layout.cp, **recorded_schedule(layout.pp, *schedule, hybrid.partition_method),
+                       ep=layout.ep, partition_set=partition_set,
+                       bounds=run_stage_bounds(shape, layout.pp, *schedule, hybrid.partition_method),
+                       zero=run.config.zero_stage)
+    if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
+        raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
+                          f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
+    if plan.universal and shape.lora_rank:  # adapter-only files: no universal conversion built for them yet
+        raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
+                          f"{plan.meta['layout']}; a LoRA checkpoint resumes at the same layout only (or export "
+                          "it with hybrid2hf --lora adapter and start from it with hybrid3d.lora.adapter)")
+    return plan
+
+
+def check_steps_left(plan: Optional[ResumePlan], steps: int, eval_only: bool) -> None:
+    """An evaluation needs a checkpoint; a training run needs steps beyond the checkpoint's."""
+    if eval_only and plan is None:
+        raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
+    saved_step = checkpoint_step(plan.meta) if plan is not None else 0
+    if not eval_only and saved_step >= steps:
+        raise ConfigError(f"hybrid3d.train.steps ({steps}) is not above the step of the checkpoint "
+                          f"{plan.load_dir / plan.tag} ({saved_step}): nothing to train (raise train.steps, or "
+                          "use --eval-only to evaluate it)")
 
 
 def partition_stages(plan: ResumePlan, saved: dict, partition: str, partition_set: bool,

@@ -28,7 +28,7 @@ from typing import Optional
 from deepspeed.checkpoint.constants import UNIVERSAL_CHECKPOINT_INFO
 
 from hybrid3d.checkpoint.universal import universal_checkpoint_info
-from hybrid3d.config.sections import BLOCK_COUNT_PARTITION, DEFAULT_PARTITION
+from hybrid3d.model.pipe import BLOCK_COUNT_PARTITION_METHOD, DEFAULT_PARTITION_METHOD
 from hybrid3d.model.config import LlamaShape
 
 CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON's section of the same name)
@@ -51,12 +51,12 @@ def config_dict(hf_config) -> dict:
     return json.loads(hf_config.to_json_string(use_diff=False))
 
 
-def recorded_schedule(pp: int, schedule: str, virtual: int, partition: str = DEFAULT_PARTITION) -> dict:
+def recorded_schedule(pp: int, schedule: str, virtual: int, partition: str = DEFAULT_PARTITION_METHOD) -> dict:
     """The pipeline schedule and partition method as a checkpoint's layout records them. Without a pipeline there
     is neither: 1F1B and "type:DecoderBlock", as every such checkpoint has recorded (the method then cuts nothing).
     A checkpoint saved before they were recorded was 1F1B cut by block count (`saved_schedule`)."""
     if pp == 1:
-        return {"schedule": "1f1b", "virtual": 1, "partition": BLOCK_COUNT_PARTITION}
+        return {"schedule": "1f1b", "virtual": 1, "partition": BLOCK_COUNT_PARTITION_METHOD}
     return {"schedule": schedule, "virtual": virtual, "partition": partition}
 
 
@@ -64,11 +64,11 @@ def saved_schedule(layout: dict) -> dict:
     """`recorded_schedule` of a saved layout, older checkpoints' values filled in (block count was the default
     method until "cost" became it)."""
     return {"schedule": layout.get("schedule", "1f1b"), "virtual": layout.get("virtual", 1),
-            "partition": layout.get("partition", BLOCK_COUNT_PARTITION)}
+            "partition": layout.get("partition", BLOCK_COUNT_PARTITION_METHOD)}
 
 
 def layout_record(tp: int, pp: int, dp: int = 1, cp: int = 1, ep: int = 1, schedule: str = "1f1b",
-                  virtual: int = 1, partition: str = DEFAULT_PARTITION,
+                  virtual: int = 1, partition: str = DEFAULT_PARTITION_METHOD,
                   stage_bounds: Optional[list] = None, zero: Optional[int] = None) -> dict:
     """The layout a checkpoint was written at; `zero`: its ZeRO stage (stage 3 writes other files: a checkpoint
     without it was written below stage 3)."""

@@ -2,7 +2,7 @@
 and the JSON DeepSpeed receives."""
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hybrid3d.config.ds_checks import (
     apply_activation_checkpointing,
@@ -79,11 +79,40 @@ class RunConfig:
     def use_reentrant(self) -> bool:
         return self.ds_config.get("pipeline", {}).get("use_reentrant", True) is not False
 
+    def for_engine(self, load_universal: bool = False) -> "RunConfig":
+        """This config with a private copy of the DeepSpeed dict for one engine (DeepSpeed edits its config in
+        place); `load_universal`: the checkpoint it loads is DeepSpeed's universal one, which the engine must know
+        at initialisation."""
+        ds = json.loads(json.dumps(self.ds_config))
+        if load_universal:
+            ds.setdefault("checkpoint", {})["load_universal"] = True
+        return replace(self, ds_config=ds)
+
+
+def forward_only_config(micro_batch: int, tp: int, pp: int, vocab_pad_multiple: int, ep: int, bf16: bool) -> dict:
+    """The DeepSpeed JSON of a run that only runs forward passes at a checkpoint's layout (`python -m
+    hybrid3d.convert.verify`). Expert parallelism runs under ZeRO-1/2 only (config/ds_checks.py), which needs an
+    optimizer: it is never stepped (its fp32 master copy is the memory cost of checking an EP checkpoint at its
+    layout)."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": 1,
+        "steps_per_print": 10**9,
+        SECTION: {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "vocab_pad_multiple": vocab_pad_multiple,
+                  "expert_parallel_size": ep},
+    }
+    if ep > 1:
+        config["zero_optimization"] = {"stage": 1}
+        config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
+    if bf16:
+        config["bf16"] = {"enabled": True}
+    return config
+
 
 def parse_config(raw: dict, world_size: int, num_layers: int | None = None, on_cpu: bool = True,
                  hybrid: HybridSection | None = None) -> RunConfig:
     """Validate a DeepSpeed JSON (already loaded) for `world_size` ranks; `hybrid`: its section, if the
-    caller parsed it already. The checks that need the model too: `training.validation.validate_run`."""
+    caller parsed it already. The checks that need the model too: `config.validation.validate_run`."""
     check_deepspeed_keys({k: v for k, v in raw.items() if k != SECTION})
     hybrid = hybrid if hybrid is not None else parse_hybrid_section(raw)
     layout = ParallelLayout.for_world(world_size, hybrid.tensor_parallel_size, hybrid.pipeline_parallel_size,

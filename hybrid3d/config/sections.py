@@ -5,10 +5,13 @@ import dataclasses
 import json
 import typing
 from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any, Optional
 
 from hybrid3d.config.blend_entries import check_blend
 from hybrid3d.errors import ConfigError
+from hybrid3d.model.pipe import DEFAULT_PARTITION_METHOD, PARTITION_METHODS
+from hybrid3d.model.tp_plan import LORA_MODULES
 
 SECTION = "hybrid3d"
 DATA_FORMATS = ("text", "chat", "prompt_completion")  # hybrid3d.data.formats reads them
@@ -73,10 +76,6 @@ class CheckpointSection:
     async_writer: str = "idle"
 
 
-# PEFT's LoRA `target_modules` names hybrid3d adapts (model/tp_plan.py LORA_TARGETS maps them to weights)
-LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
 @dataclass(frozen=True)
 class LoraSection:
     """LoRA fine-tuning (Hu et al. 2021) in PEFT's terms: the base frozen, adapters of `rank` beside the
@@ -94,14 +93,6 @@ class CompileSection:
     (their parameters are graph inputs), so it compiles once per process; opt-in (`training/compile.py`)."""
     enabled: bool = False
     backend: str = "inductor"  # torch._dynamo.list_backends(); "aot_eager" traces without generating kernels
-
-
-BLOCK_COUNT_PARTITION, COST_PARTITION = "type:DecoderBlock", "cost"
-PARTITION_METHODS = (BLOCK_COUNT_PARTITION, COST_PARTITION, "parameters", "uniform")
-# Stages cut by training FLOPs took 0.91-0.96x the step time of count-balanced ones at PP2 and 0.92-1.01x at PP4
-# (benchmarks/results/2026-12-04-vm/stage_balance.md); checkpoints of count-balanced runs record their method and
-# bounds (checkpoint/resume.py keeps or reshards them).
-DEFAULT_PARTITION = COST_PARTITION
 
 
 @dataclass(frozen=True)
@@ -139,7 +130,7 @@ class HybridSection:
     # How the layers are cut into pipeline stages (PARTITION_METHODS; model/pipe.stage_bounds): the layers' training
     # FLOPs balanced, the LM head's included ("cost", the default), or decoder blocks balanced by count
     # ("type:DecoderBlock"), or DeepSpeed's own 'parameters' and 'uniform'.
-    partition_method: str = DEFAULT_PARTITION
+    partition_method: str = DEFAULT_PARTITION_METHOD
     # ZeRO-2 with pipeline_parallel_size > 1 (hybrid3d.pipeline_zero2): gradients are reduced over
     # data parallel every micro-batch, so that traffic is paid gradient_accumulation_steps times.
     pipeline_zero2: bool = False
@@ -161,6 +152,12 @@ class HybridSection:
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     lora: LoraSection = field(default_factory=LoraSection)
     compile: CompileSection = field(default_factory=CompileSection)
+
+    @property
+    def checkpoint_dir(self) -> str:
+        """Where checkpoints are saved (and `checkpoint.load` "latest" looks): checkpoint.save_dir, else
+        <train.output_dir>/checkpoints."""
+        return self.checkpoint.save_dir or str(Path(self.train.output_dir) / "checkpoints")
 
 
 def read_json(path) -> dict:

@@ -31,6 +31,7 @@ from hybrid3d.convert.model_layout import (
 )
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.errors import ConversionError
+from hybrid3d.config.support import check_experts
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import ParamSpec, param_specs, shard_hf_tensor
@@ -59,6 +60,7 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
     shape = LlamaShape.from_hf(source.config, vocab_pad_multiple=vocab_pad_multiple)
     layout = ParallelLayout(tp, pp, 1)
     check_split(shape, layout.tp, layout.pp)
+    check_experts(shape.num_experts, layout.tp, layout.pp, 1, 1)
     specs = param_specs(shape, tp)
     check_source_tensors(source, specs)
     models = [meta_model(shape, rank, tp) for rank in range(tp)]

@@ -28,6 +28,7 @@ from hybrid3d.convert.model_layout import hf_parameter_shapes
 from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.convert.safetensors_stream import ShardedSafetensorsWriter, parse_size
 from hybrid3d.errors import ConversionError
+from hybrid3d.config.support import check_experts
 from hybrid3d.model.config import HF_CAUSAL_LM_CLASSES, LlamaShape
 from hybrid3d.model.hf_source import read_hf_config
 from hybrid3d.model.hf_source import HFSource
@@ -74,6 +75,7 @@ def hybrid_to_hf(checkpoint_dir, out_dir, dtype: Optional[torch.dtype] = None, t
     shape = dataclasses.replace(LlamaShape.from_hf(config), **adapters)
     tp = checkpoint.tp
     check_split(shape, tp, checkpoint.pp)
+    check_experts(shape.num_experts, tp, checkpoint.pp, 1, 1)
     if lora is not None:
         return _export_lora(checkpoint, shape, Path(out_dir), lora, dtype, config, side_dir, hf_config_dir,
                             _max_bytes(max_shard_size), start)

@@ -59,7 +59,8 @@ def _verify(args) -> int:
     from hybrid3d.parallel.world import start_world
     from hybrid3d.training.console import deepspeed_prints, hold_back_deprecated_alias_warnings, set_deepspeed_verbosity
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.run_config import forward_only_config
+    from hybrid3d.config.validation import validate_run
 
     hold_back_deprecated_alias_warnings()
     set_deepspeed_verbosity(args.verbose)
@@ -77,19 +78,7 @@ def _verify(args) -> int:
             start_world()  # this rank's device first
     layout = ParallelLayout.for_world(dist.get_world_size(), checkpoint.tp, checkpoint.pp)
     ep = checkpoint.expert_parallel_size
-    ds_config = {
-        "train_micro_batch_size_per_gpu": args.batch_size,
-        "gradient_accumulation_steps": 1,
-        "steps_per_print": 10**9,
-        "hybrid3d": {"tensor_parallel_size": layout.tp, "pipeline_parallel_size": layout.pp, "vocab_pad_multiple": pad,
-                     "expert_parallel_size": ep},
-    }
-    if ep > 1:  # expert parallelism runs under ZeRO-1/2 only (config/ds_checks.py), which needs an optimizer;
-        # it is never stepped (its fp32 master copy is the memory cost of checking an EP checkpoint at its layout)
-        ds_config["zero_optimization"] = {"stage": 1}
-        ds_config["optimizer"] = {"type": "AdamW", "params": {"lr": 0.0}}
-    if args.dtype == "bf16":
-        ds_config["bf16"] = {"enabled": True}
+    ds_config = forward_only_config(args.batch_size, layout.tp, layout.pp, pad, ep, bf16=args.dtype == "bf16")
     with deepspeed_prints(args.verbose):  # PipelineModule's layer listing, the optimizer's lines, per rank
         trainer = build_trainer(validate_run(ds_config, dist.get_world_size(), shape), checkpoint_follows=True)
         trainer.load(args.checkpoint, tag=args.tag, module_only=True)

@@ -10,6 +10,7 @@ A tokenizer is loaded only when there is text to tokenize.
 """
 
 import dataclasses
+import glob
 import hashlib
 import json
 import os
@@ -169,6 +170,13 @@ def data_paths(section: DataSection) -> list[tuple[str, str]]:
     for i, entry in enumerate(section.blend or []):
         paths += [(f"{KEY}.blend[{i}].{name}", entry.get(name)) for name in ("path", "eval_path")]
     return [(key, path) for key, path in paths if path is not None]
+
+
+def check_data_paths(section: DataSection) -> None:
+    """Every data path the section names exists (a file, a glob's match, a folder or an indexed prefix)."""
+    for key, path in data_paths(section):
+        if not (glob.glob(path) or is_indexed_prefix(path)):
+            raise ConfigError(f"{key}: {path} does not exist")
 
 
 def build_training_data(section: DataSection, tokenizers: TokenizerSource, vocab_size: int) -> TrainingData:

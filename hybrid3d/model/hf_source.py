@@ -17,7 +17,9 @@ import torch
 from safetensors import SafetensorError, safe_open
 from transformers import AutoConfig
 
-from hybrid3d.errors import ConversionError
+from hybrid3d.errors import ConfigError, ConversionError
+from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.hf_weights import is_adapter, param_specs
 
 SAFETENSORS, SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
 PICKLE, PICKLE_INDEX = "pytorch_model.bin", "pytorch_model.bin.index.json"
@@ -150,3 +152,12 @@ def _pickle_headers(file: Path) -> dict[str, TensorInfo]:
     except Exception as e:  # torch raises many types for a damaged or non-weights pickle
         raise ConversionError(f"{file}: not a readable weights file ({str(e).splitlines()[0]})") from None
     return {name: TensorInfo(file, t.shape, t.dtype) for name, t in state.items()}
+
+
+def open_hf_weights(folder: str, shape: LlamaShape, tp_size: int) -> HFSource:
+    """The HF folder's weights (`HFSource`), refused unless it holds every base weight `shape` needs."""
+    weights = HFSource.open(folder)
+    missing = sorted({s.hf_name for s in param_specs(shape, tp_size) if not is_adapter(s)} - set(weights))
+    if missing:
+        raise ConfigError(f"hybrid3d.model.hf_model: {folder} lacks weight {missing[0]}")
+    return weights

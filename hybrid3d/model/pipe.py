@@ -12,7 +12,6 @@ from functools import lru_cache
 from deepspeed.pipe import DualPipeVModule, LayerSpec, PipelineModule, TiedLayerSpec
 from deepspeed.runtime.utils import partition_balanced
 
-from hybrid3d.config.sections import BLOCK_COUNT_PARTITION, COST_PARTITION, DEFAULT_PARTITION
 from hybrid3d.ds_internals.interleaved_pipeline import InterleavedPipelineModule
 from hybrid3d.ds_internals.pipeline_bounds import with_stage_bounds
 from hybrid3d.errors import LayoutError
@@ -27,12 +26,16 @@ from hybrid3d.parallel.rank_groups import ContextParallelGroup, ExpertParallelGr
 
 # Balance decoder blocks across stages; the embedding joins the first stage and the final norm
 # and head join the last one (DeepSpeed's `type:` partitioning counts only matching layers).
-BLOCK_COUNT_PARTITION_METHOD = BLOCK_COUNT_PARTITION
-assert BLOCK_COUNT_PARTITION_METHOD == f"type:{DecoderBlock.__name__}"
+BLOCK_COUNT_PARTITION_METHOD = f"type:{DecoderBlock.__name__}"
 # Balance the layers' training FLOPs, the head's included (`layer_costs`): Megatron's
 # --account-for-loss-in-pipeline-split, by cost rather than by counting the head as a layer.
-COST_PARTITION_METHOD = COST_PARTITION
-DEFAULT_PARTITION_METHOD = DEFAULT_PARTITION  # hybrid3d.partition_method unset
+COST_PARTITION_METHOD = "cost"
+# hybrid3d.partition_method's values: DeepSpeed's own "parameters" and "uniform" too
+PARTITION_METHODS = (BLOCK_COUNT_PARTITION_METHOD, COST_PARTITION_METHOD, "parameters", "uniform")
+# hybrid3d.partition_method unset. Stages cut by training FLOPs took 0.91-0.96x the step time of count-balanced ones
+# at PP2 and 0.92-1.01x at PP4 (benchmarks/results/2026-12-04-vm/stage_balance.md); checkpoints of count-balanced
+# runs record their method and bounds (checkpoint/resume.py keeps or reshards them).
+DEFAULT_PARTITION_METHOD = COST_PARTITION_METHOD
 # The methods whose bounds `stage_bounds` gives, so the memory model, the planner and the checkpoint record
 # know them; DeepSpeed's own "parameters" and "uniform" run too, unmodelled (config/ds_checks.py).
 MODELLED_PARTITION_METHODS = (BLOCK_COUNT_PARTITION_METHOD, COST_PARTITION_METHOD)

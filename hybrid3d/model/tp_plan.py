@@ -27,8 +27,6 @@ over TP) and B is replicated (its gradient summed over TP with sequence parallel
 differ); beside a replicated k/v base (t > kv heads) both are replicated and used at the rank's head rows.
 """
 
-from hybrid3d.config.sections import LORA_MODULES
-from hybrid3d.config.support import check_experts
 from hybrid3d.errors import LayoutError
 from hybrid3d.model.config import LlamaShape
 
@@ -67,7 +65,8 @@ MOE_PLAN = {
 }
 
 
-# The modules PEFT's `target_modules` may name (config/sections.py LORA_MODULES), each with the block weight it adapts
+# PEFT's LoRA `target_modules` names hybrid3d adapts (hybrid3d.lora.target_modules), and the block weight each adapts
+LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_TARGETS = {module: next(name for name in BLOCK_PLAN if name.endswith(f".{module}.weight")) for module in LORA_MODULES}
 # base kind -> (A's kind, B's kind); A is (r, in) and B (out, r), so ROW splits A's dim 1 and COLUMN B's dim 0
 LORA_SPLITS = {COLUMN: (REPLICATED, COLUMN), ROW: (ROW, REPLICATED), REPLICATED: (REPLICATED, REPLICATED)}
@@ -171,7 +170,10 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
             f"and context_parallel_size ({cp_heads}) must divide one another")
     if shape.intermediate_size % t:
         raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
-    check_experts(shape.num_experts, t, pp, cp, ep)
+    if ep > 1 and not shape.num_experts:
+        raise LayoutError(f"expert_parallel_size ({ep}) needs a mixture-of-experts model (num_local_experts > 0)")
+    if shape.num_experts % ep:
+        raise LayoutError(f"num_local_experts ({shape.num_experts}) is not divisible by expert_parallel_size ({ep})")
     if shape.num_layers < pp:
         raise LayoutError(
             f"pipeline_parallel_size ({pp}) exceeds num_hidden_layers ({shape.num_layers}): "

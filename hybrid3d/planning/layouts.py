@@ -12,6 +12,7 @@ import math
 from typing import NamedTuple, Optional
 
 from hybrid3d.errors import LayoutError
+from hybrid3d.config.support import check_experts
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
@@ -63,6 +64,7 @@ def layout_refusal(shape: LlamaShape, tp: int, pp: int, cluster: Cluster, cp: in
     try:
         ParallelLayout(tp, pp, cluster.gpus // (tp * pp * cp), cp=cp, ring=ring, cp_a2a=u if ring else 1)
         check_split(shape, tp, pp, cp, ring=ring, cp_a2a=u)  # a % (t·u); a TP rank's kv heads and u divide one another
+        check_experts(shape.num_experts, tp, pp, cp, 1)  # the MoE layouts the support table runs
     except LayoutError as e:
         return str(e)
     return None

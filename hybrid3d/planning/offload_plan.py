@@ -11,6 +11,7 @@ Offload rows plan bf16 gradient accumulation (DeepSpeed then takes DeepSpeedZero
 accumulates on the host); the others keep the planner's precision (`planner.planned_precision`).
 """
 
+from hybrid3d.config.auto_values import NO_OFFLOAD  # the offload kinds are the config's vocabulary
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.planning.activations import activation_bytes
 from hybrid3d.planning.memory import compute_bytes, rank_model_states
@@ -22,8 +23,6 @@ from hybrid3d.planning.zero3_memory import (
     offload_states,
     zero3_model_states,
 )
-
-NO_OFFLOAD = "none"
 
 
 def zero3_allowed(shape: LlamaShape, pp: int) -> bool:

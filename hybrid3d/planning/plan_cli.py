@@ -11,7 +11,8 @@ from hybrid3d.errors import ConfigError, UserError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import LORA_TARGETS
 from hybrid3d.planning import planner
-from hybrid3d.planning.auto_layout import choose, config_for_row, row_label
+from hybrid3d.config.auto_values import ZERO3_KNOB_KEYS, config_for_row
+from hybrid3d.planning.auto_layout import choose, row_label
 from hybrid3d.planning.flops import peak_tflops
 from hybrid3d.planning.hints import no_fit_hints, parse_gigabytes
 from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora
@@ -19,7 +20,7 @@ from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
 from hybrid3d.planning.plan_format import format_longest, format_plan
 from hybrid3d.planning.planner import Choice, longest_sequence, plan
 from hybrid3d.planning.step_time import Cluster
-from hybrid3d.planning.zero3_fetch import ZERO3_KNOB_KEYS, Zero3Knobs
+from hybrid3d.planning.zero3_fetch import Zero3Knobs
 
 
 def load_shape(model: str) -> LlamaShape:
@@ -157,7 +158,7 @@ def _zero3_knobs(args) -> Zero3Knobs:
 
 
 def write_config(args, shape: LlamaShape, feasible: list[Choice], seq: int) -> None:
-    """--write-config: the chosen row as a config (`auto_layout.config_for_row`), written whole or not at all."""
+    """--write-config: the chosen row as a config (`config.auto_values.config_for_row`), written whole or not at all."""
     from hybrid3d.config.sections import read_json
 
     base = read_json(args.base) if args.base else dict(STARTER_CONFIG)
@@ -167,12 +168,8 @@ def write_config(args, shape: LlamaShape, feasible: list[Choice], seq: int) -> N
     else:
         model = {"preset": args.model}
     chosen = choose(feasible, args.gpu_memory)
-    config = config_for_row(base, chosen, model, seq, args.global_batch)
-    if chosen.zero == 3:
-        config["zero_optimization"].update(_zero3_knobs(args).as_zero_config())
-    if args.lora_rank:
-        config["hybrid3d"]["lora"] = {**config["hybrid3d"].get("lora", {}), "rank": args.lora_rank,
-                                      "target_modules": list(shape.lora_targets)}
+    lora = {"rank": args.lora_rank, "target_modules": list(shape.lora_targets)} if args.lora_rank else None
+    config = config_for_row(base, chosen, model, seq, args.global_batch, _zero3_knobs(args).changed(), lora)
     temporary = f"{args.write_config}.tmp"
     with open(temporary, "w") as f:
         json.dump(config, f, indent=2)

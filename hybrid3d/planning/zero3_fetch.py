@@ -23,8 +23,10 @@ against DeepSpeed's comms logger and the coordinator's own count of available el
 import collections
 import functools
 import math
+import dataclasses
 from dataclasses import dataclass
 
+from hybrid3d.config.auto_values import zero3_knobs
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import lora_factor_shapes, lora_weights
 from hybrid3d.planning.parameters import layer_parameter_numels
@@ -35,10 +37,6 @@ DEFAULT_MAX_LIVE_PARAMETERS = 1_000_000_000  # stage3_max_live_parameters (eleme
 DEFAULT_MAX_REUSE_DISTANCE = 1_000_000_000  # stage3_max_reuse_distance (elements)
 
 
-# DeepSpeed's key for each field of Zero3Knobs
-ZERO3_KNOB_KEYS = {"persistence_threshold": "stage3_param_persistence_threshold",
-                   "prefetch_bucket": "stage3_prefetch_bucket_size", "max_live": "stage3_max_live_parameters",
-                   "max_reuse_distance": "stage3_max_reuse_distance"}
 
 
 @dataclass(frozen=True)
@@ -53,15 +51,12 @@ class Zero3Knobs:
     @classmethod
     def from_zero_config(cls, zero_optimization: dict) -> "Zero3Knobs":
         """The knobs a `zero_optimization` section sets (numbers; the config checks refuse anything else)."""
-        given = {field: int(zero_optimization[key]) for field, key in ZERO3_KNOB_KEYS.items()
-                 if isinstance(zero_optimization.get(key), (int, float)) and not isinstance(zero_optimization[key], bool)}
-        return cls(**given)
+        return cls(**zero3_knobs(zero_optimization))
 
-    def as_zero_config(self) -> dict:
-        """The knobs that differ from DeepSpeed's defaults, under DeepSpeed's keys."""
+    def changed(self) -> dict:
+        """The knobs that differ from DeepSpeed's defaults, by field (config.auto_values writes DeepSpeed's keys)."""
         default = Zero3Knobs()
-        return {key: getattr(self, field) for field, key in ZERO3_KNOB_KEYS.items()
-                if getattr(self, field) != getattr(default, field)}
+        return {field: value for field, value in dataclasses.asdict(self).items() if value != getattr(default, field)}
 
 
 @dataclass(frozen=True)

@@ -9,22 +9,22 @@ again, and the resume reshards through the universal checkpoint as any layout ch
 """
 
 import dataclasses
-from pathlib import Path
 from typing import Optional
 
 from hybrid3d.checkpoint.files import read_meta
 from hybrid3d.checkpoint.resume import find_checkpoint
 from hybrid3d.checkpoint.schema import saved_layout, saved_schedule
-from hybrid3d.config.sections import HybridSection, parse_hybrid_section
+from hybrid3d.config.sections import HybridSection
 from hybrid3d.errors import ConfigError
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.parallel.threads import local_ranks, usable_cores
-from hybrid3d.planning.auto_layout import (apply_choice, auto_keys, decide, placeholder_config, read_request,
-                                           report_lines)
+from hybrid3d.config.auto_values import read_request
+from hybrid3d.config.request import RunRequest
+from hybrid3d.planning.auto_layout import apply_choice, decide, report_lines
 from hybrid3d.planning.flops import peak_tflops
 from hybrid3d.planning.machines import cpu_cluster, gpu_cluster, host_memory_gb
 from hybrid3d.planning.step_time import Cluster
-from hybrid3d.training.validation import run_shape
+from hybrid3d.config.validation import run_shape
 
 H100_TFLOPS = 989.4  # the planner's default where the device table does not know the GPU
 
@@ -55,8 +55,7 @@ def _checkpoint_layout(hybrid: HybridSection, world_size: int) -> Optional[tuple
     """The sizes, schedule and stage of the checkpoint a resume loads, when it was written at this world size."""
     if not hybrid.checkpoint.load:
         return None
-    save_dir = hybrid.checkpoint.save_dir or str(Path(hybrid.train.output_dir) / "checkpoints")
-    load_dir, tag = find_checkpoint(hybrid.checkpoint.load, save_dir)
+    load_dir, tag = find_checkpoint(hybrid.checkpoint.load, hybrid.checkpoint_dir)
     meta = read_meta(load_dir / tag)
     if meta is None:  # plan_resume names the missing file
         return None
@@ -70,14 +69,13 @@ def _checkpoint_layout(hybrid: HybridSection, world_size: int) -> Optional[tuple
     return {k: v for k, v in kept.items() if v is not None}, f"the sizes of {where}"
 
 
-def resolve_auto(raw: dict, shape: LlamaShape, world_size: int, on_cpu: bool) -> tuple[dict, list[str]]:
-    """(`raw` with its "auto" keys decided, the start-up lines saying what was chosen and why); `raw` itself and no
-    lines when nothing is "auto". `shape`: the model as its HF config gives it (the section's padding, loss chunks
-    and adapters are applied here, as training.validation.run_shape applies them)."""
-    keys = auto_keys(raw)
+def resolve_auto(request: RunRequest, shape: LlamaShape, world_size: int, on_cpu: bool) -> tuple[dict, list[str]]:
+    """(the request's config with its "auto" keys decided, the start-up lines saying what was chosen and why): a new
+    dict, the request's own stays as given (itself and no lines when nothing is "auto"). `shape`: the model as its HF config gives it (the section's padding, loss
+    chunks and adapters are applied here, as config.validation.run_shape applies them)."""
+    raw, keys, hybrid = request.raw, request.auto, request.hybrid
     if not keys:
         return raw, []
-    hybrid = parse_hybrid_section(placeholder_config(raw))
     shape = run_shape(shape, hybrid)
     request = read_request(raw, keys)
     kept = _checkpoint_layout(hybrid, world_size)

@@ -7,32 +7,26 @@ user error ends every rank with one line on stderr, exit code 2, and nothing wri
 import argparse
 import dataclasses
 import gc
-import glob
 import os
 import sys
 import time
 from pathlib import Path
 
 from hybrid3d.checkpoint.experts import check_expert_checkpoints
-from hybrid3d.checkpoint.resume import ResumePlan, plan_resume
-from hybrid3d.checkpoint.schema import recorded_schedule, saved_step as checkpoint_step, structure
-from hybrid3d.config.overrides import apply_overrides, parse_override_args
-from hybrid3d.config.sections import SECTION, HybridSection, parse_hybrid_section, read_json
-from hybrid3d.data.indexed import is_indexed_prefix
-from hybrid3d.data.pipeline import data_paths
+from hybrid3d.checkpoint.resume import ResumePlan, check_steps_left, plan_run_resume
+from hybrid3d.config.overrides import parse_override_args
+from hybrid3d.config.request import RunRequest, read_run
+from hybrid3d.config.sections import HybridSection, parse_hybrid_section
+from hybrid3d.config.validation import ValidRun, check_single_process, validate_run
+from hybrid3d.data.pipeline import check_data_paths
 from hybrid3d.ds_internals import check_deepspeed_version
-from hybrid3d.errors import ConfigError, NonFiniteError, PeerLostError, ReportedError, UserError
+from hybrid3d.errors import NonFiniteError, PeerLostError, ReportedError, UserError
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.hf_source import HFSource
-from hybrid3d.model.hf_weights import is_adapter, param_specs
-from hybrid3d.model.pipe import run_stage_bounds
-from hybrid3d.parallel.layout import ParallelLayout
-from hybrid3d.parallel.standalone import launch_hint, launched, use_single_process_world
-from hybrid3d.planning.auto_layout import auto_keys, placeholder_config
+from hybrid3d.model.hf_source import HFSource, open_hf_weights
+from hybrid3d.parallel.standalone import launched, use_single_process_world
 from hybrid3d.training.auto_start import resolve_auto
 from hybrid3d.training.model_source import ModelSource, resolve_model
-from hybrid3d.training.output_folder import check_output_folder
-from hybrid3d.training.validation import ValidRun, validate_run
+from hybrid3d.training.output_folder import check_output_folder, output_folders
 
 
 def parse_args(argv):
@@ -46,49 +40,6 @@ def parse_args(argv):
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the launcher
     args, rest = parser.parse_known_args(argv)
     return args, parse_override_args(rest)
-
-
-@dataclasses.dataclass
-class Job:
-    """Everything validated before the process group starts."""
-
-    raw: dict
-    run: ValidRun
-    source: ModelSource
-    save_dir: Path
-    output_dir: Path
-    plan: ResumePlan | None
-    hf_weights: HFSource | None
-    override_log: list
-    verbose: bool = False
-    start_over: bool = False  # train.overwrite over a previous run's folders
-    given: dict | None = None  # the config as given (overrides applied, "auto" kept); `raw` is what runs
-    auto_lines: list = dataclasses.field(default_factory=list)  # what "auto" chose and why
-
-    @property
-    def hybrid(self):
-        return self.run.config.hybrid
-
-    @property
-    def config(self):
-        return self.run.config
-
-    @property
-    def layout(self) -> ParallelLayout:
-        return self.run.layout
-
-    @property
-    def shape(self) -> LlamaShape:
-        return self.run.shape
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRequest:
-    """Start-up phase 1, `read`: the JSON with the command line's overrides applied, "auto" values kept."""
-
-    raw: dict  # as given: <output_dir>/config.json
-    override_log: list
-    auto: list  # the keys left "auto" (planning.auto_layout.auto_keys)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,87 +63,73 @@ class OpenedRun:
     output_dir: Path
     plan: ResumePlan | None
     hf_weights: HFSource | None
-    start_over: bool
+    start_over: bool  # train.overwrite over a previous run's folders
 
 
-def read(config_path: str, overrides) -> RunRequest:
-    """The JSON and the overrides; refusals: the file, a key's value that cannot be read."""
-    raw = read_json(config_path)
-    override_log = apply_overrides(raw, overrides)
-    return RunRequest(raw, override_log, auto_keys(raw))
+@dataclasses.dataclass(frozen=True)
+class Job:
+    """Everything validated before the process group starts: the request as given (config.json), what it resolved
+    to (resolved_config.json) and what its files say."""
+
+    request: RunRequest
+    resolved: ResolvedRun
+    opened: OpenedRun
+    verbose: bool = False
+
+    # what the job reads, by name
+    raw = property(lambda self: self.resolved.raw)  # what runs ("auto" decided)
+    given = property(lambda self: self.request.raw)  # as given (overrides applied, "auto" kept)
+    override_log = property(lambda self: self.request.override_log)
+    auto_lines = property(lambda self: self.resolved.reasons)  # what "auto" chose and why
+    source = property(lambda self: self.resolved.source)
+    run = property(lambda self: self.opened.run)
+    save_dir = property(lambda self: self.opened.save_dir)
+    output_dir = property(lambda self: self.opened.output_dir)
+    plan = property(lambda self: self.opened.plan)
+    hf_weights = property(lambda self: self.opened.hf_weights)
+    start_over = property(lambda self: self.opened.start_over)
+    hybrid = property(lambda self: self.run.config.hybrid)
+    config = property(lambda self: self.run.config)
+    layout = property(lambda self: self.run.layout)
+    shape = property(lambda self: self.run.shape)
 
 
 def resolve(request: RunRequest, world_size: int, standalone: bool, on_cpu: bool) -> ResolvedRun:
-    """The model the run trains and the "auto" keys decided for it (training/auto_start.py, called once)."""
-    raw = request.raw  # the planner writes its decision into a copy (auto_layout.apply_choice): `raw` stays as given
-    hybrid = parse_hybrid_section(placeholder_config(raw) if request.auto else raw)
-    ranks = hybrid.tensor_parallel_size * hybrid.pipeline_parallel_size * hybrid.context_parallel_size
-    if standalone and ranks > 1:
-        sizes = " x ".join(f"{k} {getattr(hybrid, k)}" for k in ("tensor_parallel_size", "pipeline_parallel_size",
-                                                                  "context_parallel_size") if getattr(hybrid, k) > 1)
-        raise ConfigError(launch_hint(ranks, f"hybrid3d.{sizes}", "launch/train.py --deepspeed_config ..."))
+    """The model the run trains and the "auto" keys decided for it (training/auto_start.py: the planner, once)."""
+    hybrid = request.hybrid
+    if standalone:
+        check_single_process(hybrid)
     source = resolve_model(hybrid.model, hybrid.data)
     shape = LlamaShape.from_hf(source.hf_config, vocab_pad_multiple=hybrid.vocab_pad_multiple)
-    reasons = []
-    if request.auto:  # the planner decides; validate then checks the config it wrote like any written-out one
-        raw, reasons = resolve_auto(raw, shape, world_size, on_cpu)
+    raw, reasons = request.raw, []  # the planner writes its decision into a copy: the request stays as given
+    if request.auto:  # validate then checks the config it wrote like any written-out one
+        raw, reasons = resolve_auto(request, shape, world_size, on_cpu)
         hybrid = parse_hybrid_section(raw)
     return ResolvedRun(raw, hybrid, source, shape, reasons)
 
 
 def validate(resolved: ResolvedRun, world_size: int, on_cpu: bool) -> ValidRun:
-    """Every refusal that needs no file, in one pass (training/validation.py: the support table, DeepSpeed's checks,
-    the layout against the model, the sequence), and whether the run's experts can be saved."""
+    """Every refusal that needs no file, in one pass (config/validation.py: the support table, DeepSpeed's checks,
+    the layout against the model, the sequence), and whether the run's experts can be saved (the checkpoint's)."""
     run = validate_run(resolved.raw, world_size, resolved.shape, on_cpu=on_cpu, hybrid=resolved.hybrid)
     check_expert_checkpoints(run.layout.ep, run.layout.pp)  # the job always saves at the end
     return run
 
 
-def open_run(run: ValidRun, raw: dict, eval_only: bool) -> OpenedRun:
-    """Every refusal that reads a file: the data, the output folder, the checkpoint to resume, the HF weights."""
-    hybrid, layout, shape = run.config.hybrid, run.layout, run.shape
-    train, data = hybrid.train, hybrid.data
-    for key, path in data_paths(data):
-        if not (glob.glob(path) or is_indexed_prefix(path)):
-            raise ConfigError(f"{key}: {path} does not exist")
-    output_dir = Path(train.output_dir)
-    if output_dir.exists() and not output_dir.is_dir():
-        raise ConfigError(f"hybrid3d.train.output_dir: {output_dir} exists and is not a folder")
-    save_dir = Path(hybrid.checkpoint.save_dir or output_dir / "checkpoints")
-    plan = None
-    if hybrid.checkpoint.load:
-        schedule = (hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
-        plan = plan_resume(hybrid.checkpoint.load, str(save_dir), layout.tp, layout.pp, layout.dp,
-                           structure(dataclasses.asdict(shape)),
-                           cp=layout.cp, **recorded_schedule(layout.pp, *schedule, hybrid.partition_method),
-                           ep=layout.ep, partition_set="partition_method" in raw.get(SECTION, {}),
-                           bounds=run_stage_bounds(shape, layout.pp, *schedule, hybrid.partition_method),
-                           zero=run.config.zero_stage)
-        if plan.partition is not None:  # the checkpoint's stages, kept
-            run = run.with_partition(plan.partition)
-        if plan.universal and shape.is_moe:  # ds_to_universal knows nothing of experts (or their placement)
-            raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
-                              f"{plan.meta['layout']}; a mixture-of-experts checkpoint resumes at the same layout only")
-        if plan.universal and shape.lora_rank:  # adapter-only files: no universal conversion built for them yet
-            raise ConfigError(f"hybrid3d.checkpoint.load: {plan.load_dir / plan.tag} was saved at layout "
-                              f"{plan.meta['layout']}; a LoRA checkpoint resumes at the same layout only (or export "
-                              "it with hybrid2hf --lora adapter and start from it with hybrid3d.lora.adapter)")
-    if eval_only and plan is None:
-        raise ConfigError("--eval-only needs hybrid3d.checkpoint.load")
-    saved_step = checkpoint_step(plan.meta) if plan is not None else 0
-    if not eval_only and saved_step >= train.steps:
-        raise ConfigError(f"hybrid3d.train.steps ({train.steps}) is not above the step of the checkpoint "
-                          f"{plan.load_dir / plan.tag} ({saved_step}): nothing to train (raise train.steps, or "
-                          "use --eval-only to evaluate it)")
-    start_over = not eval_only and check_output_folder(output_dir, save_dir, plan, train.overwrite)
-    hf_weights = None
+def open_run(run: ValidRun, request: RunRequest, eval_only: bool) -> OpenedRun:
+    """Every refusal that reads a file, each in the owner of that file: the data, the output folder, the checkpoint
+    to resume, the HF weights."""
+    hybrid, shape = run.config.hybrid, run.shape
+    check_data_paths(hybrid.data)
+    output_dir, save_dir = output_folders(hybrid)
+    plan = plan_run_resume(run, save_dir, request.partition_set) if hybrid.checkpoint.load else None
+    if plan is not None and plan.partition is not None:  # the checkpoint's stages, kept
+        run = run.with_partition(plan.partition)
+    check_steps_left(plan, hybrid.train.steps, eval_only)
+    start_over = not eval_only and check_output_folder(output_dir, save_dir, plan, hybrid.train.overwrite)
     # a LoRA run's checkpoints hold its adapters only: the frozen base always comes from the HF folder
-    if hybrid.model.init_from_hf and (plan is None or shape.lora_rank):
-        hf_weights = HFSource.open(hybrid.model.hf_model)
-        names = {s.hf_name for s in param_specs(shape, layout.tp) if not is_adapter(s)}
-        missing = sorted(names - set(hf_weights))
-        if missing:
-            raise ConfigError(f"hybrid3d.model.hf_model: {hybrid.model.hf_model} lacks weight {missing[0]}")
+    needs_weights = hybrid.model.init_from_hf and (plan is None or shape.lora_rank)
+    hf_weights = open_hf_weights(hybrid.model.hf_model, shape, run.layout.tp) if needs_weights else None
     return OpenedRun(run, save_dir, output_dir, plan, hf_weights, start_over)
 
 
@@ -203,13 +140,11 @@ def prepare(args, overrides, world_size: int, standalone: bool = False) -> Job:
 
     check_deepspeed_version()
     on_cpu = get_accelerator().device_name() == "cpu"
-    request = read(args.deepspeed_config, overrides)
+    request = read_run(args.deepspeed_config, overrides)
     resolved = resolve(request, world_size, standalone, on_cpu)
     run = validate(resolved, world_size, on_cpu)
-    opened = open_run(run, resolved.raw, args.eval_only)
-    return Job(resolved.raw, opened.run, resolved.source, opened.save_dir, opened.output_dir, opened.plan,
-               opened.hf_weights, request.override_log, verbose=args.verbose, start_over=opened.start_over,
-               given=request.raw, auto_lines=resolved.reasons)
+    opened = open_run(run, request, args.eval_only)
+    return Job(request, resolved, opened, verbose=args.verbose)
 
 
 def main(argv=None) -> int:

@@ -7,7 +7,16 @@ import shutil
 from pathlib import Path
 
 from hybrid3d.checkpoint.files import TAG_PREFIX
+from hybrid3d.config.sections import HybridSection
 from hybrid3d.errors import ConfigError
+
+
+def output_folders(hybrid: HybridSection) -> tuple[Path, Path]:
+    """(train.output_dir, the checkpoint folder); an output_dir that exists as a file is refused."""
+    output_dir = Path(hybrid.train.output_dir)
+    if output_dir.exists() and not output_dir.is_dir():
+        raise ConfigError(f"hybrid3d.train.output_dir: {output_dir} exists and is not a folder")
+    return output_dir, Path(hybrid.checkpoint_dir)
 
 
 def previous_run(output_dir: Path, save_dir: Path) -> str | None:

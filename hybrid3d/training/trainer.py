@@ -11,8 +11,6 @@ DeepSpeed parses the `activation_checkpointing` JSON section but never applies i
 """
 
 import contextlib
-import dataclasses
-import json
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -50,7 +48,7 @@ from hybrid3d.parallel.tensor_parallel.lora import train_adapters_only
 from hybrid3d.parallel.world import process_group_timeout
 from hybrid3d.training.compile import compile_blocks
 from hybrid3d.training.engines import engine_for
-from hybrid3d.training.validation import ValidRun
+from hybrid3d.config.validation import ValidRun
 
 Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
 
@@ -249,9 +247,7 @@ def build_trainer(run: ValidRun, hf_state_dict: Optional[dict] = None, load_univ
     loads a checkpoint next (`checkpoint_follows`).
     """
     config, layout, shape = run.config, run.layout, run.shape  # build_groups checks the world's size
-    config = dataclasses.replace(config, ds_config=json.loads(json.dumps(config.ds_config)))  # DeepSpeed edits it
-    if load_universal:
-        config.ds_config.setdefault("checkpoint", {})["load_universal"] = True
+    config = config.for_engine(load_universal)
     with new_groups_wait(process_group_timeout(config.hybrid.timeout_seconds)):  # every group DeepSpeed makes too
         return _build(config, layout, shape, hf_state_dict, hf_state_dict is None and not checkpoint_follows,
                       load_universal)

@@ -16,7 +16,7 @@ def train_from_converted(job: dict) -> dict:
 
     from hybrid3d.model import LlamaShape
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     shape = LlamaShape.from_hf(AutoConfig.from_pretrained(job["hf_dir"]))
     config = ds_config(job["tp"], job["pp"], job["zero"])

@@ -22,7 +22,7 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.layers import DecoderBlock
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)
@@ -118,6 +118,7 @@ def run_one(run: dict, model_dirs: dict, save_root: str = "") -> dict:
 def decide_auto(config: dict, auto: dict, shape, world_size: int) -> tuple[dict, list[str]]:
     """`config` with the hybrid3d keys of `auto` ("auto" values, `layout`, `device_memory_gb`) written in, the
     micro-batch and ZeRO stage left to "auto" when `layout` is, then decided (training/auto_start.py)."""
+    from hybrid3d.config.request import request_from
     from hybrid3d.training.auto_start import resolve_auto
 
     if auto.get("layout") == "auto":  # what the run's dict does not give is left open
@@ -126,7 +127,7 @@ def decide_auto(config: dict, auto: dict, shape, world_size: int) -> tuple[dict,
         config.pop("train_micro_batch_size_per_gpu")
         config["zero_optimization"].pop("stage")
     config["hybrid3d"].update(auto)
-    return resolve_auto(config, shape, world_size, on_cpu=True)
+    return resolve_auto(request_from(config), shape, world_size, on_cpu=True)
 
 
 def train_runs(rank, world_size, runs, model_dirs, save_root: str = ""):

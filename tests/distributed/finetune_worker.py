@@ -119,7 +119,7 @@ def run_one(run: dict, model_dirs: dict, arrays: dict) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     hf = load_hf(model_dirs[run["case"]])
     shape = LlamaShape.from_hf(hf.config)

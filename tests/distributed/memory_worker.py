@@ -43,7 +43,7 @@ def measure(run: dict) -> dict:
     from hybrid3d.ds_internals.memory_probe import PeakProbe
     from hybrid3d.model import LlamaShape
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     shape = LlamaShape(**SHAPES[run["shape"]])
     world = dist.get_world_size()

@@ -110,7 +110,7 @@ def run_one(run: dict, model_dir: str) -> dict:
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.model.moe import Experts
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     hf = load_mixtral(model_dir)
     shape = LlamaShape.from_hf(hf.config)

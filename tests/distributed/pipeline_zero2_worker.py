@@ -28,7 +28,7 @@ def _build(run: dict, model_dir: str):
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.layers import DecoderBlock
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     hf = load_hf(model_dir)
     trainer = build_trainer(validate_run(_config(run), dist.get_world_size(), LlamaShape.from_hf(hf.config)),

@@ -63,7 +63,7 @@ def measure(run: dict, world: int) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.parallel.context_parallel import sequence_shard
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     shape = LlamaShape(**SHAPE, sliding_window=run.get("window"))
     config = ds_config(run["tp"], run["cp"], run["sp"], world, run.get("comm", "a2a"), run.get("chunk", 0))

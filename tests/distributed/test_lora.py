@@ -107,7 +107,7 @@ def resumed_run(run, dirs, save_root) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_weights import gather_hf_state_dict
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
     from tests.distributed.engine_runs import ds_config, micro_batches
 
     hf = load_hf(dirs[run["case"]])

@@ -77,7 +77,7 @@ def _first_step(folder: str) -> dict:
     from hybrid3d.model import LlamaShape
     from hybrid3d.model.hf_source import HFSource
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     source = HFSource.open(folder)
     shape = LlamaShape.from_hf(source.config)

@@ -16,7 +16,7 @@ def _group_timeouts(rank: int, world_size: int) -> dict:
     from hybrid3d.ds_internals.process_groups import release_process_groups
     from hybrid3d.model import LlamaShape
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
     from tests.distributed.engine_runs import ds_config
 
     shape = LlamaShape(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4, num_kv_heads=2,

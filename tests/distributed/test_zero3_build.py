@@ -23,7 +23,7 @@ def build_peaks(rank, world_size):
     from hybrid3d.model import LlamaShape
     from hybrid3d.parallel.groups import build_groups
     from hybrid3d.training.trainer import _build_module, build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
     from tests.counters import host_allocations
     from tests.distributed.engine_runs import ds_config
 

@@ -74,7 +74,7 @@ def measure(rank, world_size, model_dir):
     from hybrid3d.model import LlamaShape
     from hybrid3d.parallel.spawn import end_run
     from hybrid3d.training.trainer import build_trainer
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     shape = LlamaShape.from_hf(LlamaConfig(**CONFIG))
     out = {}

@@ -10,7 +10,7 @@ import hybrid3d.errors
 
 PACKAGE = Path(hybrid3d.__file__).parent
 # Lowest first: a module may import from its own layer and the layers before it.
-LAYERS = ["errors", "ds_internals", "parallel", "config", "model", "data", "checkpoint", "planning", "training",
+LAYERS = ["errors", "ds_internals", "parallel", "model", "config", "data", "checkpoint", "planning", "training",
           "convert", "plan", "verify", "pretrained"]
 MAX_LINES = 400
 
@@ -165,3 +165,57 @@ def test_each_shared_constant_is_defined_once():
                     owners.setdefault(target.id, []).append(name)
     assert {k: v for k, v in owners.items() if len(v) > 1} == {}
     assert set(owners) == shared, shared - set(owners)
+
+
+# Where a DeepSpeed or hybrid3d config key is read outside config/ by a name that is not the run's config, and why
+CONFIG_KEYS_ALLOWED = {
+    ("hybrid3d/training/job.py", "checkpoint"): "an asynchronous save's report (`CheckpointSaver.poll`), not a config",
+}
+
+
+def _keys_indexed(path: Path, keys: set) -> set:
+    """(file, key) for each `x[key]`, `x.get(key, ...)`, `x.setdefault(key, ...)` or `x.pop(key, ...)` in the file
+    whose key is a string constant in `keys` or the name SECTION (config.sections': "hybrid3d")."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        index = None
+        if isinstance(node, ast.Subscript):
+            index = node.slice
+        elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.args
+              and node.func.attr in ("get", "setdefault", "pop")):
+            index = node.args[0]
+        key = (index.value if isinstance(index, ast.Constant) else
+               "hybrid3d" if isinstance(index, ast.Name) and index.id == "SECTION" else None)
+        if isinstance(key, str) and key in keys:
+            found.add((str(path.relative_to(REPO)), key))
+    return found
+
+
+def test_config_sections_are_read_in_config_only():
+    """Start-up's one direction of travel (training/entry.py): the JSON is read, resolved, validated and written in
+    config/ only, so a new key is a field of the schema plus its consumer. Outside config/ (and the DeepSpeed
+    boundary, ds_internals/, which hands DeepSpeed its dict) no module indexes the hybrid3d section or a top-level
+    DeepSpeed key; and config/ imports nothing from planning/ or training/."""
+    from hybrid3d.config.sections import SECTION
+    from hybrid3d.ds_internals.config_keys import top_level_keys
+
+    keys = set(top_level_keys()) | {SECTION}
+    outside = [p for p in PACKAGE.rglob("*.py") if p.relative_to(PACKAGE).parts[0] not in ("config", "ds_internals")]
+    found = set().union(*(_keys_indexed(p, keys) for p in outside))
+    assert found <= set(CONFIG_KEYS_ALLOWED), sorted(found - set(CONFIG_KEYS_ALLOWED))
+    upward = sorted((m, i) for m, deps in graph().items() if m.startswith("hybrid3d.config")
+                    for i in deps if i.split(".")[1] in ("planning", "training"))
+    assert upward == [], upward
+
+
+def test_config_key_scan_finds_an_index():
+    """The scan above sees each way a key is read (so its empty result means something)."""
+    import tempfile
+
+    source = ('raw[SECTION]\nraw.get("zero_optimization", {})\nds.setdefault("bf16", {})\nds.pop("fp16")\n'
+              'x["other"]\ny[OTHER]\n')
+    with tempfile.NamedTemporaryFile("w", suffix=".py", dir=REPO, delete=True) as f:
+        f.write(source)
+        f.flush()
+        found = {key for _, key in _keys_indexed(Path(f.name), {"hybrid3d", "zero_optimization", "bf16", "fp16"})}
+    assert found == {"hybrid3d", "zero_optimization", "bf16", "fp16"}

@@ -1,6 +1,6 @@
-""""auto" in a config (planning/auto_layout.py, training/auto_start.py): which keys are open, what the given ones
-constrain, the decision and its tie rule, the written-out config the one validation pass accepts, the refusals, and
-`python -m hybrid3d.plan --write-config`."""
+""""auto" in a config (config/auto_values.py, planning/auto_layout.py, training/auto_start.py): which keys are open,
+what the given ones constrain, the decision and its tie rule, the written-out config the one validation pass accepts,
+the refusals, and `python -m hybrid3d.plan --write-config`."""
 
 import json
 
@@ -11,13 +11,14 @@ from hybrid3d.config.sections import parse_hybrid_section
 from hybrid3d.errors import ConfigError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
-from hybrid3d.planning.auto_layout import (ENOUGH_HEADROOM, HEADROOM_GRAIN, TIE_BAND, apply_choice, auto_keys, choose,
-                                           decide, placeholder_config, read_request, report_lines)
+from hybrid3d.config.auto_values import auto_keys, placeholder_config, read_request
+from hybrid3d.planning.auto_layout import (ENOUGH_HEADROOM, HEADROOM_GRAIN, TIE_BAND, apply_choice, choose, decide,
+                                           report_lines)
 from hybrid3d.planning.machines import cpu_cluster
 from hybrid3d.planning.plan_cli import main as plan_main
 from hybrid3d.planning.planner import Choice, Cluster
 from hybrid3d.training.entry import parse_args, prepare
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 
 BUCKET = 100_000  # elements: the tiny model's reduce bucket (DeepSpeed's default would be 2 GB in fp32)
 

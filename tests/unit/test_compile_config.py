@@ -13,7 +13,7 @@ from hybrid3d.model import LlamaShape
 from hybrid3d.model.llama import LlamaSequential
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.training.compile import compile_blocks
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 from tests.distributed.engine_runs import ds_config
 
 SHAPE = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=32, intermediate_size=64, num_hidden_layers=2,

@@ -9,7 +9,7 @@ from transformers import LlamaConfig, MixtralConfig
 from hybrid3d.errors import ConfigError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.tp_plan import LORA_TARGETS, lora_factor_shapes
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 from tests.distributed.engine_runs import ds_config
 
 LLAMA = dict(vocab_size=203, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,

@@ -19,7 +19,7 @@ from hybrid3d.model import LlamaSequential, LlamaShape, gather_vocab_logits, loa
 from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import gather_hf_state_dict, unfuse_hf_experts
 from hybrid3d.model.moe import load_balancing_loss
-from hybrid3d.config.support import check_moe_options
+from hybrid3d.config.support import check_experts, check_moe_options
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
@@ -100,9 +100,11 @@ def test_mixtral_config_refusals(field, overrides):
 def test_moe_refuses_untested_layouts():
     shape = LlamaShape.from_hf(MixtralConfig(**TINY))
     check_split(shape, 1, 1, 1)
+    check_experts(shape.num_experts, 1, 1, 1, 1)
     for t, pp, cp, ep in ((4, 1, 1, 1), (1, 1, 2, 1), (2, 2, 1, 2), (1, 1, 1, 4)):
+        check_split(shape, t, pp, cp, ep)  # the arithmetic allows them: the support table refuses them
         with pytest.raises(LayoutError, match="num_local_experts") as error:
-            check_split(shape, t, pp, cp, ep)
+            check_experts(shape.num_experts, t, pp, cp, ep)
         assert "\n" not in str(error.value)
     with pytest.raises(LayoutError, match="not divisible by expert_parallel_size"):
         check_split(LlamaShape.from_hf(MixtralConfig(**{**TINY, "num_local_experts": 3})), 1, 1, 1, 2)

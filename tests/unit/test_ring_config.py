@@ -12,7 +12,7 @@ from hybrid3d.model import LlamaShape
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.rank_groups import ContextParallelGroup
 from hybrid3d.parallel.ring_attention import chunk_positions, member_positions, rank_positions
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 from tests.distributed.engine_runs import ds_config
 
 SIX_HEADS = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=48, intermediate_size=64, num_hidden_layers=2,

@@ -136,7 +136,7 @@ def test_zero3_support_table_refusals_name_what_works():
     from transformers import LlamaConfig
 
     from hybrid3d.model import LlamaShape
-    from hybrid3d.training.validation import validate_run
+    from hybrid3d.config.validation import validate_run
 
     shape = LlamaShape.from_hf(LlamaConfig(vocab_size=203, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                            num_attention_heads=4, num_key_value_heads=2))

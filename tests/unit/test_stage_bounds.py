@@ -15,7 +15,7 @@ from hybrid3d.model import LlamaShape
 from hybrid3d.model.pipe import balanced_bounds, layer_costs, stage_bounds
 from hybrid3d.model.presets import preset_config
 from hybrid3d.planning.flops import training_flops_per_token
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 from tests.distributed.engine_runs import ds_config
 
 LLAMA3_8B = LlamaShape.from_hf(preset_config("llama3-8b"))

@@ -11,9 +11,10 @@ from hybrid3d.config.overrides import apply_overrides
 from hybrid3d.errors import LayoutError
 from hybrid3d.model import LlamaShape
 from hybrid3d.model.presets import preset_config
+from hybrid3d.config.request import request_from
 from hybrid3d.training.auto_start import resolve_auto
 from hybrid3d.training.entry import main
-from hybrid3d.training.validation import validate_run
+from hybrid3d.config.validation import validate_run
 from tests.configs import h, write_config
 from tests.launcher.harness import REPO
 from hybrid3d.model.tp_plan import check_split
@@ -232,7 +233,7 @@ def recipe_shape(name: str, raw: dict) -> LlamaShape:
 def test_shipped_config_is_valid(name, world):
     raw = json.loads((REPO / "ds_configs" / name).read_text())
     shape = recipe_shape(name, raw)
-    raw, _ = resolve_auto(raw, shape, world, on_cpu=True)  # "auto" decided as launch/train.py does (cpu_auto.json)
+    raw, _ = resolve_auto(request_from(raw), shape, world, on_cpu=True)  # "auto" decided as launch/train.py does (cpu_auto.json)
     run = validate_run(raw, world, shape, on_cpu=False)  # every check a trainer's build relies on
     parsed, layout = run.config, run.layout
     ds = parsed.ds_config
@@ -248,19 +249,23 @@ def test_start_up_phases_are_quick_on_every_recipe():
     `resolve`'s planner call (cpu_auto.json's "auto": 43 ms) is timed alongside and reported with them."""
     import time
 
-    from hybrid3d.training.entry import read
+    from hybrid3d.config.overrides import parse_override_args
+    from hybrid3d.config.request import read_run
 
     timings = {}
     for name, world in SHIPPED.items():
         best = {}
+        # the model folder cpu_smollm2_lora.json takes on the command line (recipe_shape's placeholder)
+        overrides = parse_override_args(["--model.hf_model", "/models/SmolLM2-135M-Instruct"]
+                                        if name == "cpu_smollm2_lora.json" else [])
         for _ in range(3):
             started = time.perf_counter()
-            request = read(str(REPO / "ds_configs" / name), [])
+            request = read_run(str(REPO / "ds_configs" / name), overrides)
             read_s = time.perf_counter() - started
             raw = request.raw
             shape = recipe_shape(name, raw)
             started = time.perf_counter()
-            raw, _ = resolve_auto(raw, shape, world, on_cpu=True)
+            raw, _ = resolve_auto(request, shape, world, on_cpu=True)
             resolve_s = time.perf_counter() - started
             started = time.perf_counter()
             validate_run(raw, world, shape, on_cpu=False)

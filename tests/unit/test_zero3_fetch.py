@@ -31,4 +31,4 @@ def test_the_chain_worked_by_hand(knobs, gathered, collectives, peak):
 def test_knobs_read_from_deepspeeds_keys():
     knobs = Zero3Knobs.from_zero_config({"stage3_max_live_parameters": 1e8, "stage3_prefetch_bucket_size": "auto"})
     assert knobs == Zero3Knobs(max_live=100_000_000)
-    assert knobs.as_zero_config() == {"stage3_max_live_parameters": 100_000_000}
+    assert knobs.changed() == {"max_live": 100_000_000}

@@ -1,18 +1,20 @@
 """One validation pass: a DeepSpeed JSON, a world size and a model shape become a `ValidRun`, the only input
-`build_trainer` takes.
+`build_trainer` takes: start-up's third phase (training/entry.py `validate`), every refusal that needs no file.
 
 Each rule has one owner and is checked here once, before any process group exists:
 - the DeepSpeed keys and the hybrid3d section, one key at a time: `config.run_config.parse_config`
   (its `config.ds_checks` functions hold the combinations of keys refused, each with its line);
 - the layout for the world size (divisibility, SP needs TP, EP divides DP): `parallel.layout.ParallelLayout`;
-- the layout against the model (heads, kv heads, vocabulary, layers per stage, experts): `model.tp_plan`
-  `check_split`, `config.support.check_moe_options`, `model.pipe.check_schedule_stages`;
+- the layout against the model (heads, kv heads, vocabulary, layers per stage, whole experts): `model.tp_plan`
+  `check_split`, `model.pipe.check_schedule_stages`; the combinations run (experts, rings, compile, ZeRO-3):
+  `config.support`;
 - the sequence against the model's positions: below.
-The training job adds what it needs beyond a trainer (data, output folders, the checkpoint to resume):
-`training.entry.prepare`.
+The refusals that read a file (data, output folders, the checkpoint to resume, the HF weights) are their owners',
+called by start-up's fourth phase (training/entry.py `open_run`).
 """
 
 import dataclasses
+import math
 
 from deepspeed.accelerator import get_accelerator
 
@@ -23,9 +25,11 @@ from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages
-from hybrid3d.config.support import check_compile, check_lora, check_moe_options, check_ring_attention, check_zero3
+from hybrid3d.config.support import (check_compile, check_experts, check_lora, check_moe_options, check_ring_attention,
+                                     check_zero3)
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
+from hybrid3d.parallel.standalone import launch_hint
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +62,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
     layout = config.layout
     shape = run_shape(shape, hybrid)
     check_split(shape, layout.tp, layout.pp, layout.cp, layout.ep, ring=layout.ring, cp_a2a=layout.cp_a2a)
+    check_experts(shape.num_experts, layout.tp, layout.pp, layout.cp, layout.ep)
     check_ring_attention(hybrid, shape.attention_dropout)
     check_compile(hybrid.compile, shape.is_moe)
     check_moe_options(shape.is_moe, layout.pp, sequence_parallel=layout.sp, schedule=hybrid.pipeline_schedule,
@@ -70,6 +75,16 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
         raise ConfigError(f"hybrid3d.data.seq_length ({hybrid.data.seq_length}) exceeds the model's "
                           f"max_position_embeddings ({shape.max_position_embeddings})")
     return ValidRun(config, shape)
+
+
+def check_single_process(hybrid: HybridSection) -> None:
+    """A process started without a launcher is a world of one rank: a layout of more is refused, saying how to
+    launch it (data parallelism alone just runs on the one rank)."""
+    sizes = {k: getattr(hybrid, k) for k in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size")}
+    ranks = math.prod(sizes.values())
+    if ranks > 1:
+        what = " x ".join(f"{k} {v}" for k, v in sizes.items() if v > 1)
+        raise ConfigError(launch_hint(ranks, f"hybrid3d.{what}", "launch/train.py --deepspeed_config ..."))
 
 
 def run_shape(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:
