@@ -31,6 +31,9 @@ PEAK_BF16_TFLOPS = {
     "L40S": 362.1,
     "L4": 121.0,
     "A10": 125.0,
+    "B200": 2250.0,  # NVIDIA HGX B200 datasheet: 36 PFLOP/s with sparsity for 8 GPUs
+    "RTX 4090": 165.2,  # NVIDIA Ada architecture whitepaper: BF16 with FP32 accumulate
+    "RTX 3090": 71.0,  # NVIDIA GA102 architecture whitepaper: BF16 with FP32 accumulate
     "MI300X": 1307.4,
     "MI250X": 383.0,
 }
@@ -61,11 +64,14 @@ def peak_tflops(device_name: Optional[str] = None, override: Optional[float] = N
         if not torch.cuda.is_available():
             return None
         device_name = torch.cuda.get_device_name()
+    key = peak_key(device_name)
+    return None if key is None else PEAK_BF16_TFLOPS[key]
+
+
+def peak_key(device_name: str) -> Optional[str]:
+    """The row of PEAK_BF16_TFLOPS a device name matches (the longest name found in it), None if none."""
     name = device_name.upper()
-    for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True):
-        if key.upper() in name:
-            return PEAK_BF16_TFLOPS[key]
-    return None
+    return next((key for key in sorted(PEAK_BF16_TFLOPS, key=len, reverse=True) if key.upper() in name), None)
 
 
 def mfu(tokens_per_second_per_device: float, shape: LlamaShape, seq_length: int,

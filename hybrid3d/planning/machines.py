@@ -1,9 +1,10 @@
 """The machine a run plans for: a `Cluster` from what the job knows at start-up (world size, ranks per node, the
 memory budget), with datasheet figures on GPUs and figures measured here on the CPU.
 
-GPUs: the peak bf16 rate of the device table (`flops.peak_tflops`, or `train.peak_tflops`) and the Cluster's
-datasheet defaults (NVLink-class 200 GB/s inside a node, 25 GB/s a GPU across nodes, HBM3 3.35 TB/s, PCIe 5.0
-x16 to the host), the planner's 3 GB reserve (CUDA context, NCCL, fragmentation), host memory from /proc/meminfo.
+GPUs: the figures of the GPU's row in planning/gpus.py (its datasheet's peak bf16 rate, memory bandwidth and host
+link, its intra-node link's planned bus bandwidth; a GPU the table does not know plans as an H100 SXM, the
+planner's defaults: 200 GB/s inside a node, HBM3 3.35 TB/s, PCIe 5.0 x16), 25 GB/s a GPU across nodes, the
+planner's 3 GB reserve (CUDA context, NCCL, fragmentation), host memory from /proc/meminfo.
 
 CPU (gloo ranks sharing the cores): the figures `benchmarks/step_time_check.py --machine` measured on a 2-core AMD EPYC
 VM (benchmarks/results/2026-12-05-vm/machine.md, at 0cdb8fc): a core's fp32 rate in hybrid3d's engine, 23.5 GFLOP/s
@@ -20,9 +21,15 @@ engine's tensors, as benchmarks measure them), not the process's libraries. Offl
 host is the device), so CPU rows never offload.
 """
 
+import dataclasses
+import subprocess
 from typing import Optional
 
+from hybrid3d.planning.flops import peak_key
+from hybrid3d.planning.gpus import GPUS, INTER_NODE_GBPS, GpuModel, gpu_for_device
 from hybrid3d.planning.step_time import Cluster
+
+DEFAULT_GPU = "h100-sxm"  # what a GPU is planned as when nothing names it (the planner's defaults)
 
 CPU_GFLOPS_PER_CORE = {"fp32": 23.5, "bf16": 23.5 * 114.0 / 97.1}  # hybrid3d's engine on one core (docstring)
 CPU_FRAMEWORK_S_PER_LAYER = 2.83e-3  # a core's seconds per decoder layer and micro-batch beyond the FLOPs
@@ -60,8 +67,61 @@ def host_memory_gb() -> Optional[float]:
     return None
 
 
-def gpu_cluster(world: int, budget_gb: float, gpus_per_node: int, peak_tflops: float,
-                host_gb: Optional[float]) -> Cluster:
-    """`world` GPUs, `gpus_per_node` a node, each held to `budget_gb` with the planner's reserve (module docstring)."""
-    return Cluster(gpus=world, gpu_memory_gb=budget_gb, gpus_per_node=gpus_per_node, peak_tflops=peak_tflops,
-                   host_memory_gb=host_gb)
+def gpu_cluster(world: int, budget_gb: float, gpus_per_node: int, gpu: GpuModel, host_gb: Optional[float],
+                peak_tflops: Optional[float] = None, intra_node_gbps: Optional[float] = None,
+                inter_node_gbps: Optional[float] = None, **more) -> Cluster:
+    """`world` GPUs of model `gpu` (planning/gpus.py: its datasheet's peak, memory bandwidth, host link and the
+    intra-node link's planned bus bandwidth), `gpus_per_node` a node, each held to `budget_gb` with the planner's
+    reserve; a figure given here beats the table's; `more`: other Cluster fields (the reserve, the host's Adam)."""
+    return Cluster(gpus=world, gpu_memory_gb=budget_gb, gpus_per_node=gpus_per_node,
+                   peak_tflops=peak_tflops or gpu.peak_tflops, memory_gbps=gpu.memory_gbps, pcie_gbps=gpu.pcie_gbps,
+                   intra_node_gbps=intra_node_gbps or gpu.intra_node_gbps,
+                   inter_node_gbps=inter_node_gbps or INTER_NODE_GBPS, host_memory_gb=host_gb, **more)
+
+
+def nvlink_count() -> Optional[int]:
+    """NVLinks active on GPU 0 as the driver reports them (NVML through pynvml if installed, else `nvidia-smi
+    nvlink --status`), None where neither answers (no NVIDIA driver, an AMD GPU)."""
+    try:
+        import pynvml
+    except ImportError:
+        pynvml = None
+    if pynvml is not None:
+        try:
+            pynvml.nvmlInit()
+            handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+            active = 0
+            for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+                try:
+                    active += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+                except pynvml.NVMLError:  # a link this GPU does not have
+                    break
+            return active
+        except pynvml.NVMLError:
+            return None
+    try:
+        out = subprocess.run(["nvidia-smi", "nvlink", "--status", "-i", "0"], capture_output=True, text=True,
+                             timeout=20)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if out.returncode != 0:
+        return None
+    return sum("GB/s" in line and "inactive" not in line.lower() for line in out.stdout.splitlines())
+
+
+def device_gpu(device_name: str, links: Optional[int]) -> tuple[GpuModel, str]:
+    """The table's row for this job's GPU and where its figures come from, in words. A GPU the table does not know
+    is planned as an H100 SXM (the planner's defaults); one whose row has NVLink but whose driver reports none
+    active (a PCIe card named like its SXM sibling, links down) is planned over its PCIe host link."""
+    name = gpu_for_device(device_name)
+    if name is None:  # its peak, where the table of peaks knows it
+        key = peak_key(device_name)
+        gpu = GPUS[DEFAULT_GPU] if key is None else dataclasses.replace(GPUS[DEFAULT_GPU], peak_key=key)
+        return gpu, (f"{device_name!r} is not in the GPU table: an H100 SXM's datasheet figures"
+                     + ("" if key is None else f" with the {key}'s peak"))
+    gpu = GPUS[name]
+    if links == 0 and gpu.link.startswith(("NVLink", "Infinity")):
+        pcie = f"PCIe {gpu.pcie_gen}.0 x16"
+        gpu = dataclasses.replace(gpu, link=pcie + " (no NVLink active)", link_gbps=gpu.pcie_gbps)
+        return gpu, f"{gpu.label} datasheet figures (the driver reports no NVLink: {pcie})"
+    return gpu, f"{gpu.label} datasheet figures" + ("" if links is None else f", {links} NVLinks active")

@@ -13,7 +13,8 @@ from hybrid3d.model.tp_plan import LORA_TARGETS
 from hybrid3d.planning import planner
 from hybrid3d.config.auto_values import ZERO3_KNOB_KEYS, config_for_row
 from hybrid3d.planning.auto_layout import choose, row_label
-from hybrid3d.planning.flops import peak_tflops
+from hybrid3d.planning.gpus import GPUS, INTER_NODE_GBPS, gpu_model, machine_line
+from hybrid3d.planning.machines import DEFAULT_GPU, gpu_cluster
 from hybrid3d.planning.hints import no_fit_hints, parse_gigabytes
 from hybrid3d.planning.lora_plan import lora_line, lora_targets, non_negative_int, with_lora
 from hybrid3d.planning.memory import DEFAULT_REDUCE_BUCKET
@@ -59,13 +60,22 @@ def main(argv=None) -> int:
     parser = _Parser(prog="python -m hybrid3d.plan", description=summary)
     parser.add_argument("--model", required=True, help="preset name or Hugging Face model directory")
     parser.add_argument("--gpus", type=_positive(int), required=True)
-    parser.add_argument("--gpu-memory", type=parse_gigabytes, required=True, help="GB per GPU: 80, 80GB or 80GiB")
+    parser.add_argument("--gpu", metavar="MODEL", default=None,
+                        help=f"the GPU, for its datasheet's memory, peak, memory bandwidth and links ({', '.join(GPUS)}; "
+                             f"default {DEFAULT_GPU}'s figures, with --gpu-memory)")
+    parser.add_argument("--gpu-memory", type=parse_gigabytes, default=None,
+                        help="GB per GPU: 80, 80GB or 80GiB (default: --gpu's)")
     parser.add_argument("--seq-length", type=_positive(int), default=None, help="tokens per sequence (default 4096)")
     parser.add_argument("--global-batch", type=_positive(int), default=512, help="sequences per step")
     parser.add_argument("--gpus-per-node", type=_positive(int), default=8)
     parser.add_argument("--reserve", type=float, default=3.0, help="GB per GPU kept for context/NCCL/fragmentation")
     parser.add_argument("--peak-tflops", type=_positive(float), default=None,
-                        help="peak bf16 TFLOP/s per GPU (default: H100's 989.4)")
+                        help="peak bf16 TFLOP/s per GPU (default: --gpu's)")
+    parser.add_argument("--intra-node-gbps", type=_positive(float), default=None,
+                        help="GB/s of collective bus bandwidth a GPU inside a node (default: --gpu's link, "
+                             "planning/gpus.py)")
+    parser.add_argument("--inter-node-gbps", type=_positive(float), default=None,
+                        help=f"GB/s a GPU across nodes (default {INTER_NODE_GBPS:g})")
     parser.add_argument("--reduce-bucket-size", type=_positive(int), default=DEFAULT_REDUCE_BUCKET)
     for field, key in ZERO3_KNOB_KEYS.items():
         default = getattr(Zero3Knobs(), field)
@@ -110,6 +120,13 @@ def main(argv=None) -> int:
     if args.lora_targets is not None and not args.lora_rank:
         parser.error("--lora-targets needs --lora-rank")
     try:
+        gpu = gpu_model(args.gpu or DEFAULT_GPU)
+    except ConfigError as e:
+        parser.error(str(e))
+    if args.gpu is None and args.gpu_memory is None:
+        parser.error("--gpu-memory (or --gpu) is required")
+    args.gpu_memory = args.gpu_memory or gpu.memory_gb
+    try:
         shape = with_lora(load_shape(args.model), args.lora_rank, args.lora_targets or tuple(LORA_TARGETS))
     except (UserError, ConfigError, OSError) as e:
         parser.error(str(e).splitlines()[0])
@@ -117,9 +134,15 @@ def main(argv=None) -> int:
     if not args.longest_sequence and seq > shape.max_position_embeddings:
         parser.error(f"--seq-length {seq} exceeds the model's max_position_embeddings "
                      f"({shape.max_position_embeddings})")
-    cluster = Cluster(gpus=args.gpus, gpu_memory_gb=args.gpu_memory, gpus_per_node=args.gpus_per_node,
-                      reserve_gb=args.reserve, peak_tflops=peak_tflops("H100", override=args.peak_tflops),
-                      host_memory_gb=args.host_memory, host_adam_gelems=args.host_adam_rate)
+    cluster = gpu_cluster(args.gpus, args.gpu_memory, args.gpus_per_node, gpu, args.host_memory,
+                          peak_tflops=args.peak_tflops, intra_node_gbps=args.intra_node_gbps,
+                          inter_node_gbps=args.inter_node_gbps, reserve_gb=args.reserve,
+                          host_adam_gelems=args.host_adam_rate)
+    given = {name for name, value in (("peak", args.peak_tflops), ("intra", args.intra_node_gbps),
+                                      ("inter", args.inter_node_gbps)) if value is not None}
+    machine = machine_line(gpu, cluster.intra_node_gbps, cluster.inter_node_gbps, cluster.peak_tflops, given)
+    if args.gpu is None:
+        machine += f" (no --gpu: {gpu.label}'s figures)"
     lora = f", LoRA rank {args.lora_rank}" if args.lora_rank else ""
     if args.longest_sequence:
         cap = args.max_seq_length or shape.max_position_embeddings
@@ -127,6 +150,7 @@ def main(argv=None) -> int:
                                          schedules=True)
         print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, longest sequence up to {cap} tokens, "
               f"global batch {args.global_batch} sequences{lora}")
+        print(machine)
         if args.lora_rank:
             print(lora_line(shape))
         print(format_longest(rows, refused, args.top, cap))
@@ -137,6 +161,7 @@ def main(argv=None) -> int:
                              async_checkpoint=args.async_checkpoint, zero3=_zero3_knobs(args))
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences{lora}")
+    print(machine)
     if args.lora_rank:
         print(lora_line(shape))
     hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)

@@ -21,13 +21,9 @@ from hybrid3d.parallel.threads import local_ranks, usable_cores
 from hybrid3d.config.auto_values import read_request
 from hybrid3d.config.request import RunRequest
 from hybrid3d.planning.auto_layout import apply_choice, decide, report_lines
-from hybrid3d.planning.flops import peak_tflops
-from hybrid3d.planning.machines import cpu_cluster, gpu_cluster, host_memory_gb
+from hybrid3d.planning.machines import cpu_cluster, device_gpu, gpu_cluster, host_memory_gb, nvlink_count
 from hybrid3d.planning.step_time import Cluster
 from hybrid3d.config.validation import run_shape
-
-H100_TFLOPS = 989.4  # the planner's default where the device table does not know the GPU
-
 
 def _budget_gb(hybrid: HybridSection, on_cpu: bool) -> float:
     if hybrid.device_memory_gb is not None:
@@ -42,13 +38,19 @@ def _budget_gb(hybrid: HybridSection, on_cpu: bool) -> float:
 
 def _cluster(world_size: int, budget_gb: float, precision: str, hybrid: HybridSection,
              on_cpu: bool) -> tuple[Cluster, str]:
-    """The machine and where its figures come from (planning/machines.py)."""
+    """The machine and where its figures come from (planning/machines.py: measured on the CPU; on a GPU the row of
+    planning/gpus.py its device name picks, checked against the NVLinks the driver reports)."""
     if on_cpu:
         return (cpu_cluster(world_size, budget_gb, usable_cores(), precision),
                 "CPU rates measured by benchmarks/step_time_check.py")
-    peak = hybrid.train.peak_tflops or peak_tflops() or H100_TFLOPS
-    source = "GPU datasheet figures" + ("" if hybrid.train.peak_tflops or peak_tflops() else ", an H100's peak")
-    return gpu_cluster(world_size, budget_gb, local_ranks(), peak, host_memory_gb()), source
+    import torch
+
+    gpu, source = device_gpu(torch.cuda.get_device_name(), nvlink_count())
+    cluster = gpu_cluster(world_size, budget_gb, local_ranks(), gpu, host_memory_gb(),
+                          peak_tflops=hybrid.train.peak_tflops)
+    peak = "hybrid3d.train.peak_tflops" if hybrid.train.peak_tflops else "the datasheet's"
+    return cluster, (f"{source}: {cluster.peak_tflops:g} TFLOP/s bf16 ({peak}), {cluster.intra_node_gbps:.3g} GB/s "
+                     f"in a node ({gpu.link}), {cluster.inter_node_gbps:g} GB/s across nodes")
 
 
 def _checkpoint_layout(hybrid: HybridSection, world_size: int) -> Optional[tuple[dict, str]]:

@@ -177,7 +177,11 @@ def test_plan_writes_the_chosen_row_as_a_config(tmp_path, capsys):
 
 
 def test_gpu_cluster_keeps_the_planner_defaults():
-    from hybrid3d.planning.machines import gpu_cluster
+    """An H100 SXM (and a GPU the table does not know) plans with the planner's defaults: today's rankings."""
+    from hybrid3d.planning.gpus import GPUS
+    from hybrid3d.planning.machines import device_gpu, gpu_cluster
 
-    cluster = gpu_cluster(8, 80.0, 8, 989.4, 2000.0)
+    cluster = gpu_cluster(8, 80.0, 8, GPUS["h100-sxm"], 2000.0)
     assert cluster == Cluster(gpus=8, gpu_memory_gb=80.0, host_memory_gb=2000.0)
+    unknown, source = device_gpu("Some Accelerator 9000", links=None)
+    assert unknown == GPUS["h100-sxm"] and "not in the GPU table" in source
