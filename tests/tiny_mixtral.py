@@ -1,17 +1,27 @@
-"""A tiny random Mixtral for the tests (the MoE twin of tiny_llama.py)."""
+"""Tiny random mixture-of-experts models for the tests (the MoE twins of tiny_llama.py): Mixtral, and Qwen3-MoE
+(Qwen3's q/k norms, experts of moe_intermediate_size, the top-k weights renormalised: norm_topk_prob)."""
 
 import torch
-from transformers import MixtralConfig, MixtralForCausalLM
+from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 MIXTRAL = dict(vocab_size=203, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
                num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, router_aux_loss_coef=0.02,
                max_position_embeddings=128, rms_norm_eps=1e-5, tie_word_embeddings=False)
+# the same sizes as MIXTRAL where the families share them; its experts 48 wide, its (unused) dense MLP 160
+QWEN3_MOE = dict(vocab_size=203, hidden_size=64, intermediate_size=160, moe_intermediate_size=48, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=4, num_experts_per_tok=2,
+                 norm_topk_prob=True, router_aux_loss_coef=0.02, max_position_embeddings=128, rms_norm_eps=1e-5,
+                 tie_word_embeddings=False)
+MOE_FAMILIES = {"mixtral": (MixtralConfig, MixtralForCausalLM, MIXTRAL),
+                "qwen3_moe": (Qwen3MoeConfig, Qwen3MoeForCausalLM, QWEN3_MOE)}
 
 
-def make_mixtral(directory, seed: int = 0, **overrides) -> None:
-    """A random tiny Mixtral with non-trivial norms and decisive routing, written with `save_pretrained`."""
+def make_mixtral(directory, seed: int = 0, family: str = "mixtral", **overrides) -> None:
+    """A random tiny MoE model of `family` (MOE_FAMILIES) with non-trivial norms (q/k norms too) and decisive
+    routing, written with `save_pretrained`."""
+    config_class, model_class, sizes = MOE_FAMILIES[family]
     torch.manual_seed(seed)
-    model = MixtralForCausalLM(MixtralConfig(**{**MIXTRAL, **overrides}))
+    model = model_class(config_class(**{**sizes, **overrides}))
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("norm.weight"):
@@ -21,6 +31,7 @@ def make_mixtral(directory, seed: int = 0, **overrides) -> None:
     model.save_pretrained(directory)
 
 
-def load_mixtral(directory, **overrides) -> MixtralForCausalLM:
-    return MixtralForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager",
-                                              **overrides).train()
+def load_mixtral(directory, **overrides):
+    """The model `make_mixtral` wrote (either family), with HF's eager expert loop, in training mode."""
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, experts_implementation="eager",
+                                                **overrides).train()

@@ -36,7 +36,7 @@ def hf_parameter_shapes(config) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parameters = OrderedDict((name, p) for name, p in model.named_parameters())
-    return OrderedDict((name, p.shape) for name, p in unfuse_hf_experts(parameters).items())
+    return OrderedDict((name, p.shape) for name, p in unfuse_hf_experts(parameters, config.model_type).items())
 
 
 def pipeline_stages(shape: LlamaShape, pp: int) -> list[range]:

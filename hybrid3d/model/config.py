@@ -1,5 +1,7 @@
 """The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth), or
-a `MixtralConfig`: a Llama whose feed-forward is a mixture of experts (Jiang et al. 2024, Mixtral).
+a `MixtralConfig`: a Llama whose feed-forward is a mixture of experts (Jiang et al. 2024, Mixtral), or a
+`Qwen3MoeConfig`: Qwen3's attention with Mixtral's feed-forward, its top-k weights renormalised only with
+`norm_topk_prob` (Qwen team 2025, Qwen3 technical report).
 
 The dense families that differ from Llama only in attention are the same decoder with switches set
 from their configs (`FAMILY_SWITCHES`): Qwen2/Qwen2.5 add biases to q/k/v (Bai et al. 2023), Qwen3
@@ -16,13 +18,15 @@ from typing import Optional
 from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
 # model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
 HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                        "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM"}
+                        "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
+                        "qwen3_moe": "Qwen3MoeForCausalLM"}
 # model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config)
 FAMILY_SWITCHES = {"llama": (False, False, False), "mistral": (False, False, True), "qwen2": (True, False, True),
-                   "qwen3": (False, True, True), "mixtral": (False, False, False)}
+                   "qwen3": (False, True, True), "mixtral": (False, False, False),
+                   "qwen3_moe": (False, True, True)}
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,7 @@ class LlamaShape:
     num_experts: int = 0  # E
     experts_per_token: int = 2  # k
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the LM loss
+    router_renormalize: bool = True  # the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
@@ -113,7 +118,8 @@ class LlamaShape:
         act = getattr(config, "hidden_act", "silu")
         if act != "silu":
             raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
-        moe = _mixtral_fields(config) if model_type == "mixtral" else {}
+        moe = (_mixtral_fields(config) if model_type == "mixtral" else
+               _qwen3_moe_fields(config) if model_type == "qwen3_moe" else {})
         qkv_bias, qk_norm, windowed = FAMILY_SWITCHES[model_type]
         if model_type == "llama" and getattr(config, "sliding_window", None):
             raise UnsupportedConfigError("sliding_window is not supported for model_type 'llama'")
@@ -138,7 +144,7 @@ class LlamaShape:
 
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
-        return cls(
+        return cls(**{**dict(
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             intermediate_size=config.intermediate_size,
@@ -158,8 +164,7 @@ class LlamaShape:
             qkv_bias=qkv_bias,
             qk_norm=qk_norm,
             sliding_window=sliding_window,
-            **moe,
-        )
+        ), **moe})
 
 
 def _sliding_window(config) -> Optional[int]:
@@ -193,3 +198,19 @@ def _mixtral_fields(config) -> dict:
         raise UnsupportedConfigError(f"router_jitter_noise={jitter} is not supported (only 0)")
     return dict(num_experts=config.num_local_experts, experts_per_token=config.num_experts_per_tok,
                 router_aux_loss_coef=float(config.router_aux_loss_coef))
+
+
+def _qwen3_moe_fields(config) -> dict:
+    """The expert fields of a Qwen3MoeConfig (every layer a mixture of experts of `moe_intermediate_size`, the
+    dense `intermediate_size` then unused); refuses the layouts whose layers differ."""
+    if not config.num_experts:
+        return {}
+    if getattr(config, "mlp_only_layers", None):
+        raise UnsupportedConfigError(f"mlp_only_layers={list(config.mlp_only_layers)} is not supported yet: every "
+                                     "layer a mixture of experts only (mlp_only_layers [])")
+    if getattr(config, "decoder_sparse_step", 1) != 1:
+        raise UnsupportedConfigError(f"decoder_sparse_step={config.decoder_sparse_step} is not supported yet: every "
+                                     "layer a mixture of experts only (decoder_sparse_step 1)")
+    return dict(num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                router_aux_loss_coef=float(config.router_aux_loss_coef),
+                router_renormalize=bool(config.norm_topk_prob), intermediate_size=config.moe_intermediate_size)

@@ -1,4 +1,4 @@
-"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral) maps onto hybrid3d's layers and
+"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) maps onto hybrid3d's layers and
 TP shards.
 
 One table (`param_specs`, built from the TP plan in tp_plan.py) drives loading an HF state dict into any TP size and merging TP shards
@@ -14,7 +14,8 @@ are whole heads and no permutation is needed.
 Mixtral's experts use the names of its checkpoint files (the Hub's and `save_pretrained`'s):
 `block_sparse_moe.gate.weight` (the router) and `block_sparse_moe.experts.<e>.w1/w3/w2.weight`
 (gate/up/down), each a plain copy of one hybrid3d expert weight. transformers >= 5 renames and fuses
-them in memory; `unfuse_hf_experts` reads a module's `state_dict()` under the file names.
+them in memory; `unfuse_hf_experts` reads a module's `state_dict()` under the file names. Qwen3-MoE's files
+name them `mlp.gate.weight` and `mlp.experts.<e>.gate_proj/up_proj/down_proj.weight` (`MOE_FILE_NAMES`).
 """
 
 import re
@@ -44,6 +45,12 @@ from hybrid3d.parallel.rank_groups import TensorParallelGroup
 from hybrid3d.parallel.tensor_parallel.lora import LORA_PARAMETER
 
 MIXTRAL_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}  # hybrid3d -> HF
+# model_type -> (the router's file name, an expert weight's, from its index e and hybrid3d's projection name)
+MOE_FILE_NAMES = {
+    "mixtral": ("block_sparse_moe.gate.weight",
+                lambda e, proj: f"block_sparse_moe.experts.{e}.{MIXTRAL_EXPERT_WEIGHTS[proj]}.weight"),
+    "qwen3_moe": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
+}
 # transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding
 # [w1; w3] of each expert, `mlp.experts.down_proj` (E, h, f) holding w2.
 _FUSED_MOE = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
@@ -71,7 +78,7 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     embed_name = f"tied_modules.{TIED_KEY}.weight" if shape.tie_word_embeddings else "0.weight"
     specs = [ParamSpec("model.embed_tokens.weight", embed_name, EMBEDDING)]
     for i in range(shape.num_layers):
-        specs += [ParamSpec(f"model.layers.{i}.{hf_block_name(name)}", f"{i + 1}.{name}",
+        specs += [ParamSpec(f"model.layers.{i}.{hf_block_name(name, shape.model_type)}", f"{i + 1}.{name}",
                             block_kind(template, shape, tp_size))
                   for name, template in block_weights(shape)]
     if shape.lora_rank:  # adapters after the base weights, under PEFT's names (less its `base_model.model.`)
@@ -86,20 +93,21 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     return specs
 
 
-def hf_block_name(name: str) -> str:
-    """The HF file name of decoder-block weight `name` (hybrid3d's, under `<i + 1>.`), under `model.layers.<i>.`."""
+def hf_block_name(name: str, model_type: str = "mixtral") -> str:
+    """The HF file name of decoder-block weight `name` (hybrid3d's, under `<i + 1>.`), under `model.layers.<i>.`;
+    `model_type` names the experts' family (MOE_FILE_NAMES)."""
     if name == "mlp.router.weight":
-        return "block_sparse_moe.gate.weight"
+        return MOE_FILE_NAMES[model_type][0]
     if name.startswith("mlp.experts."):
         _, _, expert, proj, _ = name.split(".")  # mlp.experts.<e>.<proj>.weight
-        return f"block_sparse_moe.experts.{expert}.{MIXTRAL_EXPERT_WEIGHTS[proj]}.weight"
+        return MOE_FILE_NAMES[model_type][1](expert, proj)
     return name  # attention, norms and the dense MLP share HF's names
 
 
-def unfuse_hf_experts(hf_state_dict: Mapping) -> Mapping:
-    """`hf_state_dict` under the file names `param_specs` uses: a transformers >= 5 Mixtral module's
-    fused experts split into per-expert views (no copies), its router renamed. Anything else, e.g. a
-    lazy `HFSource`, is returned as it is, without reading a tensor."""
+def unfuse_hf_experts(hf_state_dict: Mapping, model_type: str = "mixtral") -> Mapping:
+    """`hf_state_dict` under the file names `param_specs` uses: a transformers >= 5 MoE module's fused experts
+    split into per-expert views (no copies), its router renamed (`model_type`: MOE_FILE_NAMES). Anything else,
+    e.g. a lazy `HFSource`, is returned as it is, without reading a tensor."""
     if not any(_FUSED_MOE.match(name) for name in hf_state_dict):
         return hf_state_dict
     out = {}
@@ -109,14 +117,14 @@ def unfuse_hf_experts(hf_state_dict: Mapping) -> Mapping:
             out[name] = tensor
             continue
         prefix, kind = match.groups()
-        moe = f"{prefix}.block_sparse_moe"
+        router, expert = MOE_FILE_NAMES[model_type]
         if kind == "gate.weight":
-            out[f"{moe}.gate.weight"] = tensor  # (E, h)
+            out[f"{prefix}.{router}"] = tensor  # (E, h)
         elif kind == "experts.down_proj":
-            out.update({f"{moe}.experts.{e}.w2.weight": w2 for e, w2 in enumerate(tensor)})  # (h, f) each
+            out.update({f"{prefix}.{expert(e, 'down_proj')}": down for e, down in enumerate(tensor)})  # (h, f) each
         else:
             for e, gate_up in enumerate(tensor):  # (2f, h): gate rows first, then up
-                out[f"{moe}.experts.{e}.w1.weight"], out[f"{moe}.experts.{e}.w3.weight"] = gate_up.chunk(2)
+                out[f"{prefix}.{expert(e, 'gate_proj')}"], out[f"{prefix}.{expert(e, 'up_proj')}"] = gate_up.chunk(2)
     return out
 
 
@@ -156,7 +164,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: Llama
     `adapters`: fill the LoRA factors instead (PEFT's tensors under `param_specs`' names), and only them; otherwise
     the factors are left as they are (drawn, or loaded apart).
     """
-    hf_state_dict = unfuse_hf_experts(hf_state_dict)
+    hf_state_dict = unfuse_hf_experts(hf_state_dict, shape.model_type)
     params = {name: p for name, p in model.named_parameters() if (LORA_PARAMETER in name) == adapters}
     filled = set()
     for spec in param_specs(shape, tp.size):

@@ -113,12 +113,14 @@ def router_summary(tally: torch.Tensor) -> dict:
 
 
 class Router(nn.Module):
-    """Top-k gating, HF `MixtralTopKRouter`'s math: logits = x Wᵀ, softmax in fp32, top-k of the
-    probabilities, renormalised by their sum. Replicated over TP."""
+    """Top-k gating, HF `MixtralTopKRouter`'s and `Qwen3MoeTopKRouter`'s math: logits = x Wᵀ, softmax in fp32,
+    top-k of the probabilities, renormalised by their sum (Qwen3-MoE: only with norm_topk_prob). Replicated over
+    TP."""
 
     def __init__(self, shape: LlamaShape, device=None, dtype=None):
         super().__init__()
         self.top_k = shape.experts_per_token
+        self.renormalize = shape.router_renormalize
         full = (shape.num_experts, shape.hidden_size)  # (E, h)
         self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
         init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
@@ -127,7 +129,8 @@ class Router(nn.Module):
         logits = F.linear(x, self.weight)  # (n, E)
         probs = torch.softmax(logits.float(), dim=-1)
         top_probs, indices = torch.topk(probs, self.top_k, dim=-1)
-        return probs, top_probs / top_probs.sum(dim=-1, keepdim=True), indices
+        weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.renormalize else top_probs
+        return probs, weights, indices
 
 
 class Expert(nn.Module):

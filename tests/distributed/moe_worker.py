@@ -85,7 +85,7 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
         losses.append(sum(step_losses) / len(step_losses))
         aux.append(sum(step_aux) / len(step_aux))
         loads.append((counts / counts.sum()).tolist())  # each expert's share of the step's assignments
-    weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(model.state_dict()).items()}
+    weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(model.state_dict(), model.config.model_type).items()}
     return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 
@@ -112,6 +112,8 @@ def run_one(run: dict, model_dir: str) -> dict:
     from hybrid3d.training.trainer import build_trainer
     from hybrid3d.config.validation import validate_run
 
+    if run.get("family"):  # another MoE family's model, beside the Mixtral (test_moe.py's `results`)
+        model_dir = os.path.join(os.path.dirname(model_dir), run["family"])
     hf = load_mixtral(model_dir)
     shape = LlamaShape.from_hf(hf.config)
     hf_state = hf.state_dict()

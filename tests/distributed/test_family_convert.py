@@ -81,6 +81,7 @@ def test_cli_converts_both_ways_and_refuses_gemma_in_one_line(sources, tmp_path)
     refused = convert_cli("hf2hybrid", "--hf-model", gemma, "--out", tmp_path / "out", "--tp", 2)
     assert refused.returncode == 2, refused.stderr
     lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
-    assert lines == ["error: model_type 'gemma' is not supported (supported: llama, mistral, qwen2, qwen3, mixtral)"], \
+    assert lines == ["error: model_type 'gemma' is not supported "
+                     "(supported: llama, mistral, qwen2, qwen3, mixtral, qwen3_moe)"], \
         refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "out").exists()

@@ -1,6 +1,6 @@
-"""Mixtral (mixture of experts) in the distributed stack: expert, pipeline and tensor parallelism and ZeRO-1/2
-train exactly like Hugging Face `MixtralForCausalLM` + torch AdamW, fp32, 5 steps, losses including the
-load-balancing loss (router_aux_loss_coef 0.02), pre-clipping gradient norms and weights.
+"""Mixtral and Qwen3-MoE (mixtures of experts) in the distributed stack: expert, pipeline and tensor parallelism and
+ZeRO-1/2 train exactly like Hugging Face `MixtralForCausalLM` / `Qwen3MoeForCausalLM` + torch AdamW, fp32, 5 steps,
+losses including the load-balancing loss (router_aux_loss_coef 0.02), pre-clipping gradient norms and weights.
 
 One spawned world per world size (2 and 4 ranks) runs all of that size's MoE layouts in turn.
 """
@@ -47,6 +47,10 @@ RUN_DICTS.append(dict(name="EP2-DP2-Z1-capacity", tp=1, pp=1, ep=2, zero=1, worl
 RUN_DICTS.append(dict(name="TP2-Z1-capacity", tp=2, pp=1, ep=1, zero=1, world=2, capacity=1.0, ref="capacity"))
 # save after step 3, load into a fresh trainer (HF weights, new optimizer), train steps 4-5: still exact
 RUN_DICTS.append(dict(name="EP2-DP2-Z2-resume", tp=1, pp=1, ep=2, zero=2, world=2, resume_at=3))
+# Qwen3-MoE (q/k norms, experts of moe_intermediate_size, norm_topk_prob): TP with EP over 4 ranks, a pipeline over 2
+RUN_DICTS.append(dict(name="qwen3moe-TP2-EP2-DP2-Z1", tp=2, pp=1, ep=2, zero=1, world=4, family="qwen3_moe",
+                      ref="qwen3_moe"))
+RUN_DICTS.append(dict(name="qwen3moe-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2, family="qwen3_moe", ref="qwen3_moe"))
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +58,9 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     model_dir = str(root / "mixtral")
     make_mixtral(model_dir)
-    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0)}
+    make_mixtral(root / "qwen3_moe", family="qwen3_moe")
+    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0),
+            "qwen3_moe": reference_run(root / "qwen3_moe")}
     with capacity_reference(1.0):
         refs["capacity"] = reference_run(model_dir)
     return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir), "root": root}
@@ -156,9 +162,9 @@ def test_all_to_all_bytes_match_the_traffic_model(results, run):
 
     from hybrid3d.model import LlamaShape
     from hybrid3d.planning.traffic import ep_bytes_per_step
-    from transformers import MixtralConfig
+    from transformers import AutoConfig
 
-    dropless = LlamaShape.from_hf(MixtralConfig(**MIXTRAL))
+    dropless = LlamaShape.from_hf(AutoConfig.from_pretrained(results["root"] / run.get("family", "mixtral")))
     shape = dataclasses.replace(dropless, expert_capacity_factor=run.get("capacity"))
     reports = results["runs"][run["name"]]
     dp = run["world"] // (run["tp"] * run["pp"])
