@@ -14,7 +14,7 @@ from hybrid3d.model.hf_source import HFSource
 from hybrid3d.model.hf_weights import gather_hf_state_dict, unfuse_hf_experts
 from hybrid3d.model.moe import load_balancing_loss
 from hybrid3d.parallel.rank_groups import TensorParallelGroup
-from hybrid3d.parallel.tensor_parallel import IGNORE_INDEX
+from tests.unit.test_moe_model import batch, max_diff, one_thread, ours_from  # noqa: F401 (one_thread: autouse)
 
 # moe_intermediate_size differs from intermediate_size: the experts must take the former
 TINY = dict(vocab_size=203, hidden_size=64, intermediate_size=160, moe_intermediate_size=48, num_hidden_layers=2,
@@ -30,14 +30,6 @@ TOL, GRAD_TOL, LOSS_RTOL = 1e-5, 1e-6, 1e-6
 ADAMW = dict(lr=1e-3, weight_decay=0.1, eps=1e-6)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def make_hf(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
     """A random tiny Qwen3-MoE with HF's eager expert loop; norms (q/k norms too) and routers made non-trivial."""
     torch.manual_seed(seed)
@@ -50,23 +42,6 @@ def make_hf(seed: int = 0, **overrides) -> Qwen3MoeForCausalLM:
             elif name.endswith("mlp.gate.weight"):  # decisive routing instead of near-uniform probabilities
                 p.normal_(0.0, 0.3)
     return model
-
-
-def ours_from(hf) -> LlamaSequential:
-    shape = LlamaShape.from_hf(hf.config)
-    model = LlamaSequential(shape, TP1)
-    load_hf_state_dict(model, hf.state_dict(), shape, TP1)
-    return model
-
-
-def batch(seed: int = 1, b: int = 2, s: int = 16):
-    ids = torch.randint(0, TINY["vocab_size"], (b, s), generator=torch.Generator().manual_seed(seed))
-    return ids, F.pad(ids[:, 1:], (0, 1), value=IGNORE_INDEX)
-
-
-def max_diff(ours: dict, ref: dict) -> float:
-    assert ours.keys() == ref.keys()
-    return max((ours[n] - ref[n]).abs().max().item() for n in ref)
 
 
 def test_shape_from_hf():
