@@ -35,7 +35,9 @@ CLIENT_SECTION = "hybrid3d"  # the client state's entry (not the DeepSpeed JSON'
 MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag is committed
 # The shape fields that decide the tensors a checkpoint holds: a resume must match them all
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "lora_rank", "lora_targets")
+                     "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "lora_rank", "lora_targets",
+                     "num_experts", "moe_intermediate_size", "dense_layers", "shared_expert_intermediate_size",
+                     "shared_expert_gate")
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # a LoRA run's adapters, in `shape`
 
 

@@ -7,7 +7,8 @@ layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check
 
     feature                     refused with
     mixture of experts          CP; SP; document masks; a pipeline schedule other than 1F1B; pipeline_zero2;
-                                reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS
+                                reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS;
+                                with EP under a pipeline, a stage of dense layers only (check_expert_stages)
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
     interleaved / DualPipeV     pipeline_zero2
     compiled blocks             a mixture-of-experts model; an unknown backend; ZeRO-3
@@ -20,6 +21,7 @@ from typing import Optional
 
 from hybrid3d.config.sections import SECTION, CompileSection, HybridSection
 from hybrid3d.errors import ConfigError, LayoutError
+from hybrid3d.model.config import LlamaShape
 
 # Mixture-of-experts layouts trained against HF Mixtral in tests/distributed/test_moe.py: (t, pp, ep).
 TESTED_MOE_LAYOUTS = {(1, 1, 1), (1, 1, 2), (1, 2, 1), (2, 1, 1), (2, 1, 2), (1, 2, 2), (2, 2, 1)}
@@ -34,6 +36,26 @@ def check_experts(num_experts: int, t: int, pp: int, cp: int, ep: int) -> None:
         raise LayoutError(f"num_local_experts ({num_experts}): tensor_parallel_size {t}, pipeline_parallel_size "
                           f"{pp}, context_parallel_size {cp}, expert_parallel_size {ep} is not a tested "
                           f"mixture-of-experts layout (tested (t, pp, ep): {sorted(TESTED_MOE_LAYOUTS)}, cp 1)")
+
+
+def check_expert_stages(shape: LlamaShape, pp: int, ep: int, stage_bounds: Optional[tuple]) -> None:
+    """With expert parallelism under a pipeline every stage holds a MoE block: DeepSpeed's ZeRO-1/2 take each
+    parameter group's gradient norm with an all-reduce of its own over the model-parallel group (`stage_1_and_2.py`
+    `get_grad_norm_direct`), and a stage without experts has no expert group, so it would wait forever for the
+    others (the dense first stage of a Qwen3-MoE with `mlp_only_layers` [0, 1], measured: a hang). `stage_bounds`:
+    the run's `model.pipe.run_stage_bounds`, None for a partition method without modelled bounds."""
+    if ep == 1 or pp == 1 or not shape.dense_layers:
+        return
+    if stage_bounds is None:
+        raise LayoutError(f"expert_parallel_size {ep} with a pipeline and dense layers {list(shape.dense_layers)} "
+                          f"needs {SECTION}.partition_method 'cost' or 'type:DecoderBlock' (stages whose blocks "
+                          "are known)")
+    for stage, (start, stop) in enumerate(zip(stage_bounds, stage_bounds[1:])):
+        blocks = [i - 1 for i in range(max(start, 1), min(stop, shape.num_layers + 1))]
+        if not any(shape.is_moe_layer(b) for b in blocks):
+            raise LayoutError(f"pipeline stage {stage} holds only dense layers {blocks} (dense_layers "
+                              f"{list(shape.dense_layers)}): expert_parallel_size {ep} needs a mixture-of-experts "
+                              f"layer on every stage (fewer pipeline stages, or expert_parallel_size 1)")
 
 
 def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",

@@ -1,7 +1,10 @@
 """The Llama shape hybrid3d builds, read from a `transformers.LlamaConfig` (the source of truth), or
 a `MixtralConfig`: a Llama whose feed-forward is a mixture of experts (Jiang et al. 2024, Mixtral), or a
 `Qwen3MoeConfig`: Qwen3's attention with Mixtral's feed-forward, its top-k weights renormalised only with
-`norm_topk_prob` (Qwen team 2025, Qwen3 technical report).
+`norm_topk_prob` (Qwen team 2025, Qwen3 technical report), or a `Qwen2MoeConfig`: the same router beside a shared
+expert every token passes through, scaled per token by a sigmoid gate, and q/k/v biases (Qwen team 2024,
+Qwen1.5-MoE / Qwen2 technical report). The Qwen families interleave dense layers (`dense_layers`: HF's
+`mlp_only_layers` and `decoder_sparse_step`) with the mixture-of-experts ones.
 
 The dense families that differ from Llama only in attention are the same decoder with switches set
 from their configs (`FAMILY_SWITCHES`): Qwen2/Qwen2.5 add biases to q/k/v (Bai et al. 2023), Qwen3
@@ -18,15 +21,16 @@ from typing import Optional
 from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 # model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
 HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                         "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                        "qwen3_moe": "Qwen3MoeForCausalLM"}
-# model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config)
+                        "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+# model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config); Qwen2-MoE's biases are its
+# config's `qkv_bias` (`_qwen_moe_fields`)
 FAMILY_SWITCHES = {"llama": (False, False, False), "mistral": (False, False, True), "qwen2": (True, False, True),
                    "qwen3": (False, True, True), "mixtral": (False, False, False),
-                   "qwen3_moe": (False, True, True)}
+                   "qwen2_moe": (True, False, True), "qwen3_moe": (False, True, True)}
 
 
 @dataclass(frozen=True)
@@ -46,11 +50,20 @@ class LlamaShape:
     initializer_range: float = 0.02
     attention_dropout: float = 0.0
     vocab_pad_multiple: int = 128
-    # Mixture of experts (Mixtral): E experts of `intermediate_size` each, top-k routing; 0 = dense SwiGLU.
+    # Mixture of experts (Mixtral): E experts of `moe_intermediate_size` each (0: `intermediate_size`, Mixtral's),
+    # top-k routing; 0 experts = dense SwiGLU.
     num_experts: int = 0  # E
     experts_per_token: int = 2  # k
     router_aux_loss_coef: float = 0.0  # weight of the load-balancing loss added to the LM loss
     router_renormalize: bool = True  # the k weights divided by their sum (Mixtral; Qwen3-MoE's norm_topk_prob)
+    moe_intermediate_size: int = 0  # f_e, each expert's width (0: intermediate_size)
+    # The decoder blocks (0-based) of a MoE model whose feed-forward is the dense SwiGLU of `intermediate_size`
+    # (Qwen's mlp_only_layers and decoder_sparse_step); every other block's is a mixture of experts.
+    dense_layers: tuple = ()
+    # A shared expert beside the routed ones in every MoE block (0: none), a SwiGLU of this width every token
+    # passes through; with `shared_expert_gate` its output is scaled per token by sigmoid(x·w_g) (Qwen2-MoE).
+    shared_expert_intermediate_size: int = 0
+    shared_expert_gate: bool = False
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
@@ -89,12 +102,38 @@ class LlamaShape:
             raise UnsupportedConfigError(f"expert_capacity_factor must be > 0, got {self.expert_capacity_factor}")
         if self.router_aux_loss_coef < 0:
             raise UnsupportedConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.moe_intermediate_size < 0 or self.shared_expert_intermediate_size < 0:
+            raise UnsupportedConfigError("moe_intermediate_size and shared_expert_intermediate_size must be >= 0")
+        if (self.moe_intermediate_size or self.dense_layers or self.shared_expert_intermediate_size) \
+                and not self.num_experts:
+            raise UnsupportedConfigError("moe_intermediate_size, dense_layers and shared experts need num_experts > 0")
+        if any(not 0 <= i < self.num_layers for i in self.dense_layers) or list(self.dense_layers) != sorted(
+                set(self.dense_layers)):
+            raise UnsupportedConfigError(f"dense_layers {list(self.dense_layers)} must be distinct, ascending block "
+                                         f"indices below num_hidden_layers ({self.num_layers})")
+        if self.num_experts and len(self.dense_layers) == self.num_layers:
+            raise UnsupportedConfigError(f"every one of the {self.num_layers} layers is dense (mlp_only_layers, "
+                                         "decoder_sparse_step): a mixture-of-experts model needs one sparse layer")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedConfigError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
 
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
+
+    def is_moe_layer(self, block: int) -> bool:
+        """Whether decoder block `block` (0-based) is a mixture of experts (else the dense SwiGLU)."""
+        return self.is_moe and block not in self.dense_layers
+
+    @property
+    def moe_layers(self) -> int:
+        """How many decoder blocks are mixtures of experts."""
+        return self.num_layers - len(self.dense_layers) if self.is_moe else 0
+
+    @property
+    def expert_intermediate_size(self) -> int:
+        """f_e: each routed expert's width."""
+        return self.moe_intermediate_size or self.intermediate_size
 
     @property
     def lora_scale(self) -> float:
@@ -119,7 +158,7 @@ class LlamaShape:
         if act != "silu":
             raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
         moe = (_mixtral_fields(config) if model_type == "mixtral" else
-               _qwen3_moe_fields(config) if model_type == "qwen3_moe" else {})
+               _qwen_moe_fields(config) if model_type in ("qwen2_moe", "qwen3_moe") else {})
         qkv_bias, qk_norm, windowed = FAMILY_SWITCHES[model_type]
         if model_type == "llama" and getattr(config, "sliding_window", None):
             raise UnsupportedConfigError("sliding_window is not supported for model_type 'llama'")
@@ -200,17 +239,30 @@ def _mixtral_fields(config) -> dict:
                 router_aux_loss_coef=float(config.router_aux_loss_coef))
 
 
-def _qwen3_moe_fields(config) -> dict:
-    """The expert fields of a Qwen3MoeConfig (every layer a mixture of experts of `moe_intermediate_size`, the
-    dense `intermediate_size` then unused); refuses the layouts whose layers differ."""
+def _qwen_moe_fields(config) -> dict:
+    """The expert fields of a Qwen3MoeConfig or Qwen2MoeConfig: experts of `moe_intermediate_size`; the blocks
+    HF builds dense (`Qwen3MoeDecoderLayer`: index in mlp_only_layers, or (index + 1) not a multiple of
+    decoder_sparse_step) with the SwiGLU of `intermediate_size`; Qwen2-MoE's gated shared expert and q/k/v biases."""
+    attention = {"qkv_bias": bool(config.qkv_bias)} if config.model_type == "qwen2_moe" else {}
     if not config.num_experts:
-        return {}
-    if getattr(config, "mlp_only_layers", None):
-        raise UnsupportedConfigError(f"mlp_only_layers={list(config.mlp_only_layers)} is not supported yet: every "
-                                     "layer a mixture of experts only (mlp_only_layers [])")
-    if getattr(config, "decoder_sparse_step", 1) != 1:
-        raise UnsupportedConfigError(f"decoder_sparse_step={config.decoder_sparse_step} is not supported yet: every "
-                                     "layer a mixture of experts only (decoder_sparse_step 1)")
-    return dict(num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
-                router_aux_loss_coef=float(config.router_aux_loss_coef),
-                router_renormalize=bool(config.norm_topk_prob), intermediate_size=config.moe_intermediate_size)
+        return attention
+    step = getattr(config, "decoder_sparse_step", 1)
+    if step < 1:
+        raise UnsupportedConfigError(f"decoder_sparse_step={step} must be >= 1")
+    only_dense = set(getattr(config, "mlp_only_layers", None) or ())
+    outside = sorted(i for i in only_dense if not 0 <= i < config.num_hidden_layers)
+    if outside:
+        raise UnsupportedConfigError(f"mlp_only_layers names layers {outside} the model lacks "
+                                     f"(num_hidden_layers {config.num_hidden_layers})")
+    dense = tuple(i for i in range(config.num_hidden_layers) if i in only_dense or (i + 1) % step)
+    fields = dict(attention, num_experts=config.num_experts, experts_per_token=config.num_experts_per_tok,
+                  router_aux_loss_coef=float(config.router_aux_loss_coef),
+                  router_renormalize=bool(config.norm_topk_prob), moe_intermediate_size=config.moe_intermediate_size,
+                  dense_layers=dense)
+    if config.model_type == "qwen2_moe":
+        if not config.shared_expert_intermediate_size:
+            raise UnsupportedConfigError("shared_expert_intermediate_size=0 is not supported: Qwen2-MoE's blocks "
+                                         "always hold a shared expert")
+        fields.update(shared_expert_intermediate_size=config.shared_expert_intermediate_size,
+                      shared_expert_gate=True)
+    return fields

@@ -2,21 +2,28 @@
 the cost of each pipeline layer spec (model/pipe.layer_costs).
 
 A decoder block multiplies its q, k, v, o and gate, up, down weights (in a mixture-of-experts block only the k
-experts a token is routed to, after the router's h -> E); the LM head multiplies V·h, also when tied to the
+experts a token is routed to, after the router's h -> E, and the shared expert with its gate); the LM head multiplies V·h, also when tied to the
 embedding; the embedding lookup and the RMSNorm weights are not matmuls.
 """
 
 from hybrid3d.model.config import LlamaShape
 
 
-def block_matmul_parameters(shape: LlamaShape) -> int:
-    """Weights one decoder block multiplies per token."""
-    h, f, d = shape.hidden_size, shape.intermediate_size, shape.head_dim
+def block_matmul_parameters(shape: LlamaShape, block: int) -> int:
+    """Weights decoder block `block` (0-based) multiplies per token."""
+    h, d = shape.hidden_size, shape.head_dim
     attention = h * shape.num_heads * d * 2 + h * shape.num_kv_heads * d * 2  # q, o and k, v
-    mlp = 3 * h * f  # gate, up, down
-    if shape.is_moe:  # each token passes through k of the E experts, after the router's (h -> E) matmul
-        mlp = shape.experts_per_token * mlp + shape.num_experts * h
+    if not shape.is_moe_layer(block):
+        return attention + 3 * h * shape.intermediate_size  # gate, up, down
+    # each token passes through k of the E experts, after the router's (h -> E) matmul, and the shared expert
+    mlp = shape.experts_per_token * 3 * h * shape.expert_intermediate_size + shape.num_experts * h
+    mlp += 3 * h * shape.shared_expert_intermediate_size + (h if shape.shared_expert_gate else 0)
     return attention + mlp
+
+
+def blocks_matmul_parameters(shape: LlamaShape) -> int:
+    """Weights all L decoder blocks multiply per token."""
+    return sum(block_matmul_parameters(shape, block) for block in range(shape.num_layers))
 
 
 def head_matmul_parameters(shape: LlamaShape) -> int:

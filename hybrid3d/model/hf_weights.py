@@ -1,4 +1,4 @@
-"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen3-MoE) maps onto hybrid3d's layers and
+"""How each Hugging Face tensor (Llama, Qwen2, Qwen3, Mistral, Mixtral, Qwen2-MoE, Qwen3-MoE) maps onto hybrid3d's layers and
 TP shards.
 
 One table (`param_specs`, built from the TP plan in tp_plan.py) drives loading an HF state dict into any TP size and merging TP shards
@@ -14,8 +14,10 @@ are whole heads and no permutation is needed.
 Mixtral's experts use the names of its checkpoint files (the Hub's and `save_pretrained`'s):
 `block_sparse_moe.gate.weight` (the router) and `block_sparse_moe.experts.<e>.w1/w3/w2.weight`
 (gate/up/down), each a plain copy of one hybrid3d expert weight. transformers >= 5 renames and fuses
-them in memory; `unfuse_hf_experts` reads a module's `state_dict()` under the file names. Qwen3-MoE's files
-name them `mlp.gate.weight` and `mlp.experts.<e>.gate_proj/up_proj/down_proj.weight` (`MOE_FILE_NAMES`).
+them in memory; `unfuse_hf_experts` reads a module's `state_dict()` under the file names. Qwen2-MoE's and
+Qwen3-MoE's files name them `mlp.gate.weight` and `mlp.experts.<e>.gate_proj/up_proj/down_proj.weight`
+(`MOE_FILE_NAMES`); Qwen2-MoE's shared expert and its gate keep hybrid3d's names (`mlp.shared_expert.*`,
+`mlp.shared_expert_gate.weight`).
 """
 
 import re
@@ -49,6 +51,7 @@ MIXTRAL_EXPERT_WEIGHTS = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
 MOE_FILE_NAMES = {
     "mixtral": ("block_sparse_moe.gate.weight",
                 lambda e, proj: f"block_sparse_moe.experts.{e}.{MIXTRAL_EXPERT_WEIGHTS[proj]}.weight"),
+    "qwen2_moe": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
     "qwen3_moe": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
 }
 # transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding
@@ -80,7 +83,7 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     for i in range(shape.num_layers):
         specs += [ParamSpec(f"model.layers.{i}.{hf_block_name(name, shape.model_type)}", f"{i + 1}.{name}",
                             block_kind(template, shape, tp_size))
-                  for name, template in block_weights(shape)]
+                  for name, template in block_weights(shape, i)]
     if shape.lora_rank:  # adapters after the base weights, under PEFT's names (less its `base_model.model.`)
         for i in range(shape.num_layers):
             for a_name, b_name, base in lora_weights(shape, shape.lora_targets):

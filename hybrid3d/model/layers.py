@@ -55,25 +55,27 @@ class Embedding(VocabParallelEmbedding):
 
 
 class DecoderBlock(nn.Module):
-    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h); each rank holds
-    s/c of the sequence with context parallelism, s/(c·t) with sequence parallelism too.
-    With experts (`shape.num_experts`): x or (x, router_stats) -> (x, router_stats)."""
+    """Pre-norm block `block` (0-based): x + attn(norm(x)), then + mlp(norm(x)). (b, s, h) -> (b, s, h); each rank
+    holds s/c of the sequence with context parallelism, s/(c·t) with sequence parallelism too.
+    A mixture-of-experts block (`shape.is_moe_layer(block)`): x or (x, router_stats) -> (x, router_stats). A dense
+    block of a MoE model (`shape.dense_layers`) passes the statistics on as it got them (none before the first
+    MoE block), so a pipeline stage of dense blocks only sends (x,) or (x, router_stats) as it received them."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, cp: Optional[ContextParallelGroup] = None,
-                 device=None, dtype=None, ep: Optional[ExpertParallelGroup] = None):
+                 device=None, dtype=None, ep: Optional[ExpertParallelGroup] = None, block: int = 0):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.self_attn = Attention(shape, tp, cp, **kw)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
-        self.moe = shape.is_moe
+        self.moe = shape.is_moe_layer(block)
         self.mlp = MoEFeedForward(shape, tp, ep, **kw) if self.moe else SwiGLU(shape, tp, **kw)
 
     def forward(self, inputs):
         x, positions, router_stats = split_activations(inputs)
         x = x + self.self_attn(self.input_layernorm(x), positions)
         if not self.moe:
-            return join_activations(x + self.mlp(self.post_attention_layernorm(x)), positions)
+            return join_activations(x + self.mlp(self.post_attention_layernorm(x)), positions, router_stats)
         out, router_stats = self.mlp(self.post_attention_layernorm(x), router_stats)
         return join_activations(x + out, positions, router_stats)
 
@@ -130,12 +132,14 @@ def layer_classes(shape: LlamaShape) -> list[type]:
     return classes if shape.tie_word_embeddings else classes + [LMHead]
 
 
-def layer_kwargs(cls: type, cp: Optional[ContextParallelGroup], ep: Optional[ExpertParallelGroup] = None) -> dict:
-    """Constructor arguments beyond (shape, tp): the context-parallel group, which only attention uses, and the
-    expert-parallel group, which only a MoE block's experts use."""
+def layer_kwargs(cls: type, index: int, cp: Optional[ContextParallelGroup],
+                 ep: Optional[ExpertParallelGroup] = None) -> dict:
+    """Constructor arguments beyond (shape, tp) of layer spec `index`: a decoder block's index among the blocks, the
+    context-parallel group, which only attention uses, and the expert-parallel group, which only a MoE block's
+    experts use."""
     if cls is not DecoderBlock:
         return {}
-    return {**({"cp": cp} if cp is not None else {}), **({"ep": ep} if ep is not None else {})}
+    return {"block": index - 1, **({"cp": cp} if cp is not None else {}), **({"ep": ep} if ep is not None else {})}
 
 
 def seed_layer(seed: int) -> None:
@@ -161,5 +165,5 @@ def build_layers(shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=
     for index, cls in enumerate(layer_classes(shape)):
         if seed is not None:
             seed_layer(seed + index)
-        layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, cp, ep)))
+        layers.append(cls(shape, tp, device=device, dtype=dtype, **layer_kwargs(cls, index, cp, ep)))
     return layers

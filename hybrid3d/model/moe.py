@@ -134,13 +134,14 @@ class Router(nn.Module):
 
 
 class Expert(nn.Module):
-    """One SwiGLU expert, split over TP like the dense MLP. `Experts.forward` runs the TP collectives
-    once for all experts, so it uses these layers' weights directly, not their forward."""
+    """One SwiGLU expert of `width` (a routed expert's f_e, or the shared expert's), split over TP like the dense
+    MLP. `MoEFeedForward` runs the TP collectives once for all experts, so it uses these layers' weights directly,
+    not their forward."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, device=None, dtype=None,
-                 generator: Optional[torch.Generator] = None):
+                 generator: Optional[torch.Generator] = None, width: Optional[int] = None):
         super().__init__()
-        h, f = shape.hidden_size, shape.intermediate_size
+        h, f = shape.hidden_size, width or shape.expert_intermediate_size
         kw = dict(device=device, dtype=dtype, init_method=normal_init(shape.initializer_range, generator))
         self.gate_proj = ColumnParallelLinear(h, f, tp, **kw)
         self.up_proj = ColumnParallelLinear(h, f, tp, **kw)
@@ -179,12 +180,11 @@ class Experts(nn.Module):
                 param.group_name = self.ep.name
 
     def forward(self, x, weights, indices, keep=None):  # (n, h), (n, k) fp32, (n, k), (n, k) bool -> (n, h)
-        """`keep` (`capacity_keep`): the assignments that run; the others are sent to expert E, which is none."""
+        """This TP rank's partial output, its f/t share of every expert's sum (`MoEFeedForward` sums it over TP and
+        holds the f that sums the gradients of x and of the weights). `keep` (`capacity_keep`): the assignments that
+        run; the others are sent to expert E, which is none."""
         if keep is not None:
             indices = torch.where(keep, indices, self.num_experts)
-        tp = self.tp
-        x = copy_to_tp_region(x, tp)  # f: each rank's expert slices give a partial input gradient
-        weights = copy_to_tp_region(weights, tp)  # f: so do they for the routing weights
         out = torch.zeros_like(x)  # (n, h)
         if self.ep.size > 1:
             self._expert_parallel(x, weights, indices, out)
@@ -195,7 +195,7 @@ class Experts(nn.Module):
                 token, slot = torch.where(indices == int(e))  # (n_e,) tokens routed to e, and which of their k choices
                 y = expert.partial(x.index_select(0, token)) * weights[token, slot, None]  # (n_e, h), fp32
                 out.index_add_(0, token, y.to(out.dtype))
-        return reduce_from_tp_region(out, tp)  # g: the sum of the f/t partial outputs
+        return out
 
     def _expert_parallel(self, x, weights, indices, out):
         """Dispatch, run the local experts on their rows, combine; the same products and the same order of
@@ -208,23 +208,58 @@ class Experts(nn.Module):
         out.index_add_(0, plan.order // k, y.to(out.dtype))
 
 
+class SharedExpertGate(nn.Module):
+    """Qwen2-MoE's per-token scale of the shared expert, sigmoid(x·w_g): w_g (1, h), replicated over TP."""
+
+    def __init__(self, shape: LlamaShape, device=None, dtype=None):
+        super().__init__()
+        full = (1, shape.hidden_size)
+        self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
+        init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
+
+
 class MoEFeedForward(nn.Module):
     """The block's feed-forward in a MoE model: x (b, s, h), router_stats (2E + 1,) or None (the first
-    block starts them at zero) -> (b, s, h), router_stats with this layer's sums added."""
+    block starts them at zero) -> (b, s, h), router_stats with this layer's sums added.
+
+    With a shared expert (`shape.shared_expert_intermediate_size`; Qwen2-MoE) the output is
+    routed(x) + sigmoid(x·w_g) · shared(x), HF's `Qwen2MoeSparseMoeBlock` in its order of additions; without the gate
+    (`shape.shared_expert_gate` false) the shared expert's output is added as it is. The shared expert is split over
+    TP like the dense MLP, and its partial output joins the routed experts' before their one sum over TP (g); the
+    per-token gate (n, 1), computed whole on every rank, multiplies a partial output, so its gradient is summed over
+    TP (f) like the experts' input's."""
 
     def __init__(self, shape: LlamaShape, tp: TensorParallelGroup, ep: Optional[ExpertParallelGroup] = None,
                  device=None, dtype=None):
         super().__init__()
+        self.tp = tp
         self.num_experts = shape.num_experts
         self.capacity_factor = shape.expert_capacity_factor
         self.router = Router(shape, device=device, dtype=dtype)
         self.experts = Experts(shape, tp, ep, device=device, dtype=dtype)
+        self.shared_expert = None
+        self.shared_expert_gate = None
+        if shape.shared_expert_intermediate_size:
+            self.shared_expert = Expert(shape, tp, device=device, dtype=dtype,
+                                        width=shape.shared_expert_intermediate_size)
+            if shape.shared_expert_gate:
+                self.shared_expert_gate = SharedExpertGate(shape, device=device, dtype=dtype)
 
     def forward(self, x, router_stats=None):
         b, s, h = x.shape
         flat = x.reshape(b * s, h)  # (n, h), n = b·s
         probs, weights, indices = self.router(flat)  # (n, E), (n, k), (n, k)
         keep = capacity_keep(indices, self.num_experts, self.capacity_factor)  # None: every assignment runs
-        out = self.experts(flat, weights, indices, keep).view(b, s, h)
+        tp = self.tp
+        x_tp = copy_to_tp_region(flat, tp)  # f: each rank's expert slices give a partial input gradient
+        weights = copy_to_tp_region(weights, tp)  # f: so do they for the routing weights
+        out = self.experts(x_tp, weights, indices, keep)  # (n, h), this rank's partial sum
+        if self.shared_expert is not None:
+            shared = self.shared_expert.partial(x_tp)  # (n, h) partial
+            if self.shared_expert_gate is not None:
+                gate = torch.sigmoid(F.linear(flat, self.shared_expert_gate.weight))  # (n, 1)
+                shared = copy_to_tp_region(gate, tp) * shared  # f: the gate's gradient is partial per rank
+            out = out + shared
+        out = reduce_from_tp_region(out, tp).view(b, s, h)  # g: the sum of the f/t partial outputs
         stats = layer_router_stats(probs, indices)  # (2E + 1,)
         return out, stats if router_stats is None else router_stats + stats

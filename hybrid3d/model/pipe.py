@@ -44,10 +44,11 @@ MODELLED_PARTITION_METHODS = (BLOCK_COUNT_PARTITION_METHOD, COST_PARTITION_METHO
 def layer_costs(shape: LlamaShape) -> tuple[int, ...]:
     """Training FLOPs per token of each layer spec, [embedding, L blocks, final norm, head] (a tied head is a
     second embedding spec): 6 x the weights it multiplies (`flop_counts`; forward 2, backward 4), 0 for the
-    embedding lookup and the norm. Left out: attention's scores (12·h·s per block, the same for every block, so
+    embedding lookup and the norm; a MoE model's dense and MoE blocks weigh apart. Left out: attention's scores (12·h·s per block, the same for every block, so
     they only lower the head's share at long sequences) and the loss's softmax over V (memory-bound, so it
     raises the head's real share): bounds that depend on the model only, not on the run's sequence length."""
-    return (0,) + (6 * block_matmul_parameters(shape),) * shape.num_layers + (0, 6 * head_matmul_parameters(shape))
+    blocks = tuple(6 * block_matmul_parameters(shape, block) for block in range(shape.num_layers))
+    return (0,) + blocks + (0, 6 * head_matmul_parameters(shape))
 
 
 @lru_cache(maxsize=256)
@@ -133,7 +134,7 @@ def pipeline_layer_specs(shape: LlamaShape, tp: TensorParallelGroup, cp: Context
         if index == 0 and shape.tie_word_embeddings:
             specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, tied_weight_attr=["weight"]))
         else:
-            specs.append(LayerSpec(cls, shape, tp, **layer_kwargs(cls, cp, ep)))
+            specs.append(LayerSpec(cls, shape, tp, **layer_kwargs(cls, index, cp, ep)))
     if shape.tie_word_embeddings:
         specs.append(TiedLayerSpec(TIED_KEY, Embedding, shape, tp, forward_fn=tied_lm_logits,
                                    tied_weight_attr=["weight"]))

@@ -16,7 +16,8 @@ refused (`check_split`).
 Mixture-of-experts blocks (Mixtral) replace the dense MLP by a router and E SwiGLU experts: each
 expert is split over TP exactly like the dense MLP (gate/up column-, down row-parallel), so every TP
 rank holds an f/t slice of every expert; the router (E x h) is replicated, so all TP ranks route
-every token alike. Expert parallelism places whole experts per rank (parallel/expert_parallel.py): the TP split
+every token alike. A shared expert (Qwen2-MoE) is split the same way, its gate (1 x h) replicated; a MoE model's
+dense blocks (`LlamaShape.dense_layers`) follow BLOCK_PLAN. Expert parallelism places whole experts per rank (parallel/expert_parallel.py): the TP split
 of each expert stays this plan's. Which MoE layouts and options run is config/support.py's.
 
 LoRA adapters (Hu et al. 2021: W x + (alpha/r)·B A x, A (r x in), B (out x r), the base W frozen) follow their
@@ -56,13 +57,21 @@ DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight
 QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
-# A mixture-of-experts block's feed-forward (hybrid3d names; `{e}` is the expert index 0..E-1).
+# A mixture-of-experts block's feed-forward (hybrid3d names; `{e}` is the expert index 0..E-1), in HF order; the
+# shared expert (LlamaShape.shared_expert_intermediate_size) is split like the dense MLP, its gate replicated.
 MOE_PLAN = {
     "mlp.router.weight": REPLICATED,
     "mlp.experts.{e}.gate_proj.weight": COLUMN,
     "mlp.experts.{e}.up_proj.weight": COLUMN,
     "mlp.experts.{e}.down_proj.weight": ROW,
+    "mlp.shared_expert.gate_proj.weight": COLUMN,
+    "mlp.shared_expert.up_proj.weight": COLUMN,
+    "mlp.shared_expert.down_proj.weight": ROW,
+    "mlp.shared_expert_gate.weight": REPLICATED,
 }
+SHARED_EXPERT = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
+                 "mlp.shared_expert.down_proj.weight")
+SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
 
 
 # PEFT's LoRA `target_modules` names hybrid3d adapts (hybrid3d.lora.target_modules), and the block weight each adapts
@@ -100,21 +109,40 @@ def lora_factor_shapes(base: str, shape: LlamaShape, t: int, rank: int) -> tuple
     return (rank, inp // t if a_kind == ROW else inp), (out // t if b_kind == COLUMN else out, rank)
 
 
-def block_weights(shape: LlamaShape) -> list[tuple[str, str]]:
-    """(name under `<i + 1>.`, BLOCK_PLAN/MOE_PLAN template) of every decoder-block weight, in HF order:
-    BLOCK_PLAN for a dense block (biases and q/k norms only where the family has them); for a MoE block its
-    MLP entries replaced by MOE_PLAN, experts expanded."""
+def block_weights(shape: LlamaShape, block: int) -> list[tuple[str, str]]:
+    """(name under `<block + 1>.`, BLOCK_PLAN/MOE_PLAN template) of every weight of decoder block `block` (0-based),
+    in HF order: BLOCK_PLAN for a dense block (biases and q/k norms only where the family has them); for a MoE block
+    (`shape.is_moe_layer`) its MLP entries replaced by MOE_PLAN's, experts expanded, the shared expert and its gate
+    only where the model has them."""
     out = []
     for name in BLOCK_PLAN:
         if (name in QKV_BIASES and not shape.qkv_bias) or (name in QK_NORMS and not shape.qk_norm):
             continue
-        if not (shape.is_moe and name in DENSE_MLP):
+        if not (shape.is_moe_layer(block) and name in DENSE_MLP):
             out.append((name, name))
         elif name == DENSE_MLP[0]:
             out.append(("mlp.router.weight", "mlp.router.weight"))
             out += [(template.format(e=e), template) for e in range(shape.num_experts)
                     for template in MOE_PLAN if "{e}" in template]
+            if shape.shared_expert_intermediate_size:
+                out += [(name, name) for name in SHARED_EXPERT]
+            if shape.shared_expert_gate:
+                out.append((SHARED_EXPERT_GATE, SHARED_EXPERT_GATE))
     return out
+
+
+def feed_forward_widths(shape: LlamaShape) -> dict[str, int]:
+    """The width of every SwiGLU the model builds, by what holds it: the dense MLP (a dense model's, or a MoE
+    model's dense blocks'), each routed expert, the shared expert. TP splits each of them (`check_split`)."""
+    widths = {}
+    if not shape.is_moe or shape.dense_layers:
+        widths["intermediate_size"] = shape.intermediate_size
+    if shape.is_moe:
+        widths["moe_intermediate_size" if shape.moe_intermediate_size else "intermediate_size"] = \
+            shape.expert_intermediate_size
+    if shape.shared_expert_intermediate_size:
+        widths["shared_expert_intermediate_size"] = shape.shared_expert_intermediate_size
+    return widths
 
 
 def kv_heads_split(num_kv_heads: int, t: int) -> bool:
@@ -168,8 +196,9 @@ def check_split(shape: LlamaShape, t: int, pp: int = 1, cp: int = 1, ep: int = 1
         raise LayoutError(
             f"the {kv_t} kv heads of a tensor-parallel rank (num_key_value_heads {kv} / tensor_parallel_size {t}) "
             f"and context_parallel_size ({cp_heads}) must divide one another")
-    if shape.intermediate_size % t:
-        raise LayoutError(f"intermediate_size ({shape.intermediate_size}) is not divisible by tensor_parallel_size ({t})")
+    for field, width in feed_forward_widths(shape).items():
+        if width % t:
+            raise LayoutError(f"{field} ({width}) is not divisible by tensor_parallel_size ({t})")
     if ep > 1 and not shape.num_experts:
         raise LayoutError(f"expert_parallel_size ({ep}) needs a mixture-of-experts model (num_local_experts > 0)")
     if shape.num_experts % ep:

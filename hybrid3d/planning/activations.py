@@ -143,7 +143,10 @@ def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_
     `comm`, `cp_a2a`: context_parallel_comm and context_parallel_a2a_size; a ring (`uses_ring`) keeps k_c =
     `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring). `lp`: bytes of
     the compute dtype (2 bf16, 4 fp32: module docstring)."""
-    h, a, f, d = shape.hidden_size, shape.num_heads, shape.intermediate_size, shape.head_dim
+    h, a, d = shape.hidden_size, shape.num_heads, shape.head_dim
+    # A MoE model: one routed expert's width, as counted so far (not yet the k experts' rows, a shared expert's, or
+    # the different width of its dense blocks)
+    f = shape.expert_intermediate_size if shape.is_moe else shape.intermediate_size
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
     ring = uses_ring(cp, comm)
     norms = (2 * (4 + 2 * lp) * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
@@ -215,10 +218,12 @@ def rank_stages(schedule: str, p: int, rank: int, v: int = 1) -> list[int]:
 
 
 @lru_cache(maxsize=4096)  # the planner's searches ask for the same stages thousands of times
-def stage_layer_count(shape: LlamaShape, pp: int, stage: int) -> int:
-    """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p)."""
+def stage_layer_count(shape: LlamaShape, pp: int, stage: int, moe_only: bool = False) -> int:
+    """Decoder blocks of `stage` when the model is cut into `pp` stages (S stages for S = v·p or 2p); `moe_only`:
+    its mixture-of-experts blocks only."""
     bounds = stage_bounds(shape, pp)
-    return sum(1 for i in range(bounds[stage], bounds[stage + 1]) if 1 <= i <= shape.num_layers)
+    return sum(1 for i in range(bounds[stage], bounds[stage + 1])
+               if 1 <= i <= shape.num_layers and (not moe_only or shape.is_moe_layer(i - 1)))
 
 
 def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage: int, gas: int,

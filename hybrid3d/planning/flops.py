@@ -16,7 +16,7 @@ excluded: MFU counts the model's FLOPs, not the hardware's (Korthikanti et al. 2
 from typing import Optional
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.flop_counts import block_matmul_parameters, head_matmul_parameters
+from hybrid3d.model.flop_counts import blocks_matmul_parameters, head_matmul_parameters
 
 # Dense bf16 tensor-core peaks in TFLOP/s from the vendors' data sheets (no sparsity).
 PEAK_BF16_TFLOPS = {
@@ -42,7 +42,7 @@ PEAK_BF16_TFLOPS = {
 def matmul_parameters(shape: LlamaShape) -> int:
     """N: parameters used in matrix multiplies per token (decoder-block weights, only the k routed experts of a
     mixture-of-experts block, and the LM head; `model/flop_counts.py`)."""
-    return shape.num_layers * block_matmul_parameters(shape) + head_matmul_parameters(shape)
+    return blocks_matmul_parameters(shape) + head_matmul_parameters(shape)
 
 
 def training_flops_per_token(shape: LlamaShape, seq_length: int) -> float:

@@ -16,19 +16,25 @@ def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple
     [Embedding, DecoderBlock x L, FinalNorm, LMHead (untied)] and,
     when tied, the head is a second copy of the embedding (a TiedLayerSpec on the last stage). A
     mixture-of-experts block (`model/moe.py`) holds the replicated router (E, h) and, with expert
-    parallelism e, E/e experts, each split over TP like the dense MLP."""
-    h, d, f = shape.hidden_size, shape.head_dim, shape.intermediate_size
+    parallelism e, E/e experts, each split over TP like the dense MLP, then the shared expert (split alike) and its
+    replicated gate (1, h); a MoE model's dense blocks (`shape.dense_layers`) the dense MLP."""
+    h, d = shape.hidden_size, shape.head_dim
     vocab_rows = padded_vocab_size(shape.vocab_size, t, shape.vocab_pad_multiple) // t
     q = shape.num_heads * d // t
-    mlp = [f // t * h, f // t * h, h * (f // t)]  # gate, up, down
-    if shape.is_moe:
-        mlp = [shape.num_experts * h] + mlp * (shape.num_experts // ep)
+
+    def swiglu(f: int) -> list[int]:
+        return [f // t * h, f // t * h, h * (f // t)]  # gate, up, down
+
+    moe = [shape.num_experts * h] + swiglu(shape.expert_intermediate_size) * (shape.num_experts // ep)
+    if shape.shared_expert_intermediate_size:
+        moe += swiglu(shape.shared_expert_intermediate_size) + [h] * shape.shared_expert_gate
     kv = kv_rows_per_rank(shape, t)
     bias = shape.qkv_bias  # Qwen2: each projection's bias follows its weight's rows
     attention = ([q * h] + [q] * bias + [kv * h] + [kv] * bias + [kv * h] + [kv] * bias + [h * q]
                  + [d, d] * shape.qk_norm)
-    block = [h] + attention + [h] + mlp  # input norm, q/k/v/o (+ Qwen3's q/k norms), post-attention norm, MLP
-    specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block)] * shape.num_layers + [("FinalNorm", [h])]
+    blocks = [[h] + attention + [h] + (moe if shape.is_moe_layer(i) else swiglu(shape.intermediate_size))
+              for i in range(shape.num_layers)]  # input norm, q/k/v/o (+ Qwen3's q/k norms), post-attention norm, MLP
+    specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block) for block in blocks] + [("FinalNorm", [h])]
     specs.append(("TiedEmbedding" if shape.tie_word_embeddings else "LMHead", [vocab_rows * h]))
     return specs
 
@@ -85,9 +91,9 @@ def adapter_parameters(shape: LlamaShape) -> int:
 
 def model_parameters(shape: LlamaShape) -> int:
     """Parameters of the unsharded model: unpadded vocabulary, a tied embedding counted once."""
-    block = sum(dict(layer_parameter_numels(shape, 1))["DecoderBlock"])
+    blocks = sum(sum(sizes) for kind, sizes in layer_parameter_numels(shape, 1) if kind == "DecoderBlock")
     embeddings = shape.vocab_size * shape.hidden_size * (1 if shape.tie_word_embeddings else 2)
-    return embeddings + shape.num_layers * block + shape.hidden_size
+    return embeddings + blocks + shape.hidden_size
 
 
 # ---------------------------------------------------------------- model states

@@ -188,7 +188,7 @@ def cp_loss_bytes_per_step(cp: int, gas: int) -> int:
 def ep_bytes_per_step(shape: LlamaShape, b: int, s: int, ep: int, pp: int, stage: int, gas: int,
                       act_bytes: int = 2, recompute: bool = False) -> int:
     """Logged all_to_all_single bytes of the mean rank of an EP group at `stage` per step (0 when e == 1 or the
-    model has no experts): per MoE block and micro-batch the counts (8·E bytes) and 2 row exchanges of
+    model has no experts): per MoE block of the stage (its dense blocks exchange nothing) and micro-batch the counts (8·E bytes) and 2 row exchanges of
     n·k·h forward, 2 backward, the forward ones again with recomputation (module docstring), n = b·s.
     With an expert capacity c the rows are at most E·ceil(c·n·k/E) (`moe.capacity_keep`): an upper bound,
     reached when every expert fills its capacity."""
@@ -201,7 +201,7 @@ def ep_bytes_per_step(shape: LlamaShape, b: int, s: int, ep: int, pp: int, stage
     rows = assignments * shape.hidden_size * act_bytes  # rows of h
     forward = 8 * shape.num_experts + 2 * rows
     backward = 2 * rows
-    return gas * stage_layer_count(shape, pp, stage) * (forward * (2 if recompute else 1) + backward)
+    return gas * stage_layer_count(shape, pp, stage, moe_only=True) * (forward * (2 if recompute else 1) + backward)
 
 
 def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, zero: int, gas: int,

@@ -1,5 +1,6 @@
-"""Mixtral and Qwen3-MoE (mixtures of experts) in the distributed stack: expert, pipeline and tensor parallelism and
-ZeRO-1/2 train exactly like Hugging Face `MixtralForCausalLM` / `Qwen3MoeForCausalLM` + torch AdamW, fp32, 5 steps,
+"""Mixtral, Qwen3-MoE and Qwen2-MoE (mixtures of experts) in the distributed stack: expert, pipeline and tensor
+parallelism and ZeRO-1/2 train exactly like Hugging Face `MixtralForCausalLM` / `Qwen3MoeForCausalLM` /
+`Qwen2MoeForCausalLM` + torch AdamW, fp32, 5 steps,
 losses including the load-balancing loss (router_aux_loss_coef 0.02), pre-clipping gradient norms and weights.
 
 One spawned world per world size (2 and 4 ranks) runs all of that size's MoE layouts in turn.
@@ -10,13 +11,12 @@ import torch
 
 from tests.distributed.worlds import run_worlds_by_size
 from tests.distributed.moe_worker import CLIP, capacity_reference, moe_runs, reference_run
-from tests.tiny_mixtral import MIXTRAL, make_mixtral
+from tests.tiny_mixtral import make_mixtral
 from tests.distributed.engine_runs import GLOBAL_BATCH, MICRO_BATCH, SEQ, STEPS
 from tests.distributed.reports import merged_weights
 
 pytestmark = pytest.mark.slow
 
-E = MIXTRAL["num_local_experts"]
 # Measured on this 2-core CPU, max over the runs below: losses 6.0e-7 (TP2-PP2; others 3.6e-7), gradient norms
 # 2.4e-7, weights 2.4e-6 (PP2-EP2; EP2 alone 1.8e-6, TP2 6.4e-7). The effects checked are far larger: the aux term moves the first
 # stage's routers by 3e-3 in 5 steps, the loss falls by 0.11.
@@ -47,10 +47,17 @@ RUN_DICTS.append(dict(name="EP2-DP2-Z1-capacity", tp=1, pp=1, ep=2, zero=1, worl
 RUN_DICTS.append(dict(name="TP2-Z1-capacity", tp=2, pp=1, ep=1, zero=1, world=2, capacity=1.0, ref="capacity"))
 # save after step 3, load into a fresh trainer (HF weights, new optimizer), train steps 4-5: still exact
 RUN_DICTS.append(dict(name="EP2-DP2-Z2-resume", tp=1, pp=1, ep=2, zero=2, world=2, resume_at=3))
-# Qwen3-MoE (q/k norms, experts of moe_intermediate_size, norm_topk_prob): TP with EP over 4 ranks, a pipeline over 2
-RUN_DICTS.append(dict(name="qwen3moe-TP2-EP2-DP2-Z1", tp=2, pp=1, ep=2, zero=1, world=4, family="qwen3_moe",
-                      ref="qwen3_moe"))
-RUN_DICTS.append(dict(name="qwen3moe-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2, family="qwen3_moe", ref="qwen3_moe"))
+# The Qwen families (tests/tiny_mixtral.py: 6 experts, top-3, dense layers between; Qwen2-MoE's gated shared expert):
+# TP x PP, ZeRO-2 over DP, EP, TP x EP
+for family, tag in (("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe")):
+    RUN_DICTS += [dict(name=f"{tag}-{n}", tp=t, pp=p, ep=e, zero=z, world=w, family=family, ref=family)
+                  for n, t, p, e, z, w in (("TP2-PP2-Z1", 2, 2, 1, 1, 4), ("DP2-Z2", 1, 1, 1, 2, 2),
+                                           ("EP2-DP2-Z2", 1, 1, 2, 2, 2), ("TP2-EP2-DP2-Z1", 2, 1, 2, 1, 4))]
+# Qwen3-MoE's first stage holds its two dense layers only (EP beside it is refused: config/support.py
+# check_expert_stages); Qwen2-MoE's stages each hold a MoE layer, so EP runs beside the pipeline
+RUN_DICTS += [dict(name="qwen3moe-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2, family="qwen3_moe", ref="qwen3_moe"),
+              dict(name="qwen2moe-PP2-EP2-DP2-Z1", tp=1, pp=2, ep=2, zero=1, world=4, family="qwen2_moe",
+                   ref="qwen2_moe")]
 
 
 @pytest.fixture(scope="module")
@@ -58,9 +65,10 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     model_dir = str(root / "mixtral")
     make_mixtral(model_dir)
-    make_mixtral(root / "qwen3_moe", family="qwen3_moe")
-    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0),
-            "qwen3_moe": reference_run(root / "qwen3_moe")}
+    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0)}
+    for family in ("qwen2_moe", "qwen3_moe"):
+        make_mixtral(root / family, family=family)
+        refs[family] = reference_run(root / family)
     with capacity_reference(1.0):
         refs["capacity"] = reference_run(model_dir)
     return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir), "root": root}
@@ -102,12 +110,21 @@ def test_moe_pipeline_sends_whole_activations(results):
 def test_expert_parallel_places_whole_experts(results, run):
     """EP rank r holds experts [r·E/e, (r+1)·E/e) of every layer; DeepSpeed treats them as expert parameters:
     ZeRO's `moe` param group holds 3 weights x E/e experts x the blocks of the rank's stage."""
-    e, per = run["ep"], E // run["ep"]
-    blocks = MIXTRAL["num_hidden_layers"] // run["pp"]
+    from transformers import AutoConfig
+
+    from hybrid3d.model import LlamaShape
+    from hybrid3d.model.pipe import stage_bounds
+
+    shape = LlamaShape.from_hf(AutoConfig.from_pretrained(results["root"] / run.get("family", "mixtral")))
+    e, per = run["ep"], shape.num_experts // run["ep"]
+    bounds = stage_bounds(shape, run["pp"])
     for report in results["runs"][run["name"]]:
-        r = report["ep_rank"]
-        assert report["experts"] == [tuple(range(r * per, (r + 1) * per))]
-        assert report["has_moe_layers"] and report["moe_groups"] == [3 * per * blocks]
+        r, stage = report["ep_rank"], report["stage"]
+        blocks = sum(shape.is_moe_layer(i - 1) for i in range(max(bounds[stage], 1), bounds[stage + 1])
+                     if i <= shape.num_layers)  # the stage's MoE blocks (Qwen3-MoE's first stage: none)
+        assert report["experts"] == ([tuple(range(r * per, (r + 1) * per))] if blocks else [])
+        assert report["has_moe_layers"] == (blocks > 0)
+        assert report["moe_groups"] == ([3 * per * blocks] if blocks else [])
     assert {rep["ep_rank"] for rep in results["runs"][run["name"]]} == set(range(e))
 
 
