@@ -20,7 +20,7 @@ from typing import Optional
 
 from hybrid3d.errors import UnsupportedConfigError
 
-SUPPORTED_ROPE_TYPES = ("default", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
 # model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
 HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
@@ -180,6 +180,8 @@ class LlamaShape:
                 raise UnsupportedConfigError(f"rope_scaling (llama3) lacks {', '.join(missing)}")
             rope_scaling = {"rope_type": "llama3", **{k: rope[k] for k in (
                 "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}}
+        if rope_type == "yarn":
+            rope_scaling = _yarn_scaling(rope, config.max_position_embeddings)
 
         num_heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
@@ -204,6 +206,22 @@ class LlamaShape:
             qk_norm=qk_norm,
             sliding_window=sliding_window,
         ), **moe})
+
+
+def _yarn_scaling(rope: dict, max_position_embeddings: int) -> dict:
+    """YaRN's settings as `model/rope.py` reads them, with HF's defaults filled in (`_compute_yarn_parameters`:
+    beta_fast 32, beta_slow 1, truncate true, a null factor = max_position_embeddings / the original context)."""
+    if "original_max_position_embeddings" not in rope:
+        raise UnsupportedConfigError("rope_scaling (yarn) lacks original_max_position_embeddings")
+    if rope.get("partial_rotary_factor", 1.0) != 1.0:
+        raise UnsupportedConfigError(f"rope_scaling.partial_rotary_factor={rope['partial_rotary_factor']} is not "
+                                     "supported (only 1.0: every pair of the head rotated)")
+    original = rope["original_max_position_embeddings"]
+    factor = rope.get("factor") or max_position_embeddings / original
+    return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original,
+            "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
+            "truncate": bool(rope.get("truncate", True)), "attention_factor": rope.get("attention_factor"),
+            "mscale": rope.get("mscale"), "mscale_all_dim": rope.get("mscale_all_dim")}
 
 
 def _sliding_window(config) -> Optional[int]:

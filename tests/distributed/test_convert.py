@@ -194,8 +194,8 @@ def test_hf2hybrid_refuses_bad_input(sources, tmp_path, capsys):
     biased = edited_copy(sources["gqa_llama3"], tmp_path / "biased", lambda c: c.update(attention_bias=True))
     assert_refused(capsys, tmp_path, ["hf2hybrid", "--hf-model", str(biased)], "attention_bias")
     rope = edited_copy(sources["mqa"], tmp_path / "rope",
-                       lambda c: c.update(rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4}))
-    assert_refused(capsys, tmp_path, ["hf2hybrid", "--hf-model", str(rope)], "rope_type 'yarn'")
+                       lambda c: c.update(rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}))
+    assert_refused(capsys, tmp_path, ["hf2hybrid", "--hf-model", str(rope)], "rope_type 'dynamic'")
     wider = edited_copy(sources["mqa"], tmp_path / "wider", lambda c: c.update(intermediate_size=96))
     assert_refused(capsys, tmp_path, ["hf2hybrid", "--hf-model", str(wider)], "model.safetensors",
                    "model.layers.0.mlp.gate_proj.weight", "(64, 32)", "(96, 32)")

@@ -34,7 +34,7 @@ def test_switches_are_read_per_family():
      "layer_types mixes full_attention and sliding_attention"),
     (family_config("qwen3", attention_bias=True), "attention_bias=true is not supported"),
     (family_config("qwen2", hidden_act="gelu"), "hidden_act 'gelu'"),
-    (family_config("mistral", rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+    (family_config("mistral", rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_type 'dynamic'"),
     (family_config("mistral", sliding_window=0), "sliding_window must be >= 1"),
     (MixtralConfig(**BASE, num_attention_heads=4, num_local_experts=4, sliding_window=64), "sliding_window=64"),
 ])

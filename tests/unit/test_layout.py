@@ -65,7 +65,7 @@ def test_kv_heads_split_or_replicated_in_the_weight_map():
     (dict(attention_bias=True), "attention_bias"),
     (dict(mlp_bias=True), "mlp_bias"),
     (dict(hidden_act="gelu"), "hidden_act 'gelu'"),
-    (dict(rope_scaling={"rope_type": "yarn", "factor": 4.0}), "rope_type 'yarn'"),
+    (dict(rope_scaling={"rope_type": "dynamic", "factor": 4.0}), "rope_type 'dynamic'"),
 ])
 def test_unrepresentable_configs_are_refused(overrides, needle):
     with pytest.raises(UnsupportedConfigError) as err:
