@@ -37,7 +37,8 @@ MANIFEST_KEY = "files"  # in hybrid3d.json: file -> bytes, written when the tag 
 STRUCTURAL_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
                      "head_dim", "tie_word_embeddings", "qkv_bias", "qk_norm", "lora_rank", "lora_targets",
                      "num_experts", "moe_intermediate_size", "dense_layers", "shared_expert_intermediate_size",
-                     "shared_expert_gate")
+                     "shared_expert_gate", "router_score_bias", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                     "v_head_dim")
 LORA_FIELDS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")  # a LoRA run's adapters, in `shape`
 
 

@@ -36,6 +36,8 @@ def hf_parameter_shapes(config) -> dict[str, torch.Size]:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
     parameters = OrderedDict((name, p) for name, p in model.named_parameters())
+    saved = set(model.state_dict())  # and the persistent buffers the files carry (DeepSeek's router bias)
+    parameters.update((name, b) for name, b in model.named_buffers() if name in saved)
     return OrderedDict((name, p.shape) for name, p in unfuse_hf_experts(parameters, config.model_type).items())
 
 

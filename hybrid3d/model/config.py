@@ -21,16 +21,18 @@ from typing import Optional
 from hybrid3d.errors import UnsupportedConfigError
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
 HF_CAUSAL_LM_CLASSES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                         "qwen3": "Qwen3ForCausalLM", "mixtral": "MixtralForCausalLM",
-                        "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
+                        "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                        "deepseek_v3": "DeepseekV3ForCausalLM"}
 # model_type -> (q/k/v biases, q/k RMSNorm, sliding window read from the config); Qwen2-MoE's biases are its
 # config's `qkv_bias` (`_qwen_moe_fields`)
 FAMILY_SWITCHES = {"llama": (False, False, False), "mistral": (False, False, True), "qwen2": (True, False, True),
                    "qwen3": (False, True, True), "mixtral": (False, False, False),
-                   "qwen2_moe": (True, False, True), "qwen3_moe": (False, True, True)}
+                   "qwen2_moe": (True, False, True), "qwen3_moe": (False, True, True),
+                   "deepseek_v3": (False, False, False)}
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,23 @@ class LlamaShape:
     # passes through; with `shared_expert_gate` its output is scaled per token by sigmoid(x·w_g) (Qwen2-MoE).
     shared_expert_intermediate_size: int = 0
     shared_expert_gate: bool = False
+    # DeepSeek-V3's router (`moe.Router`): "sigmoid" scores chosen on scores + e_score_correction_bias
+    # (`router_score_bias`), among the `router_topk_groups` best of `router_groups` groups, the weights times
+    # `routed_scaling_factor`; "softmax" is Mixtral's and Qwen's.
+    router_scoring: str = "softmax"
+    router_score_bias: bool = False
+    router_groups: int = 1
+    router_topk_groups: int = 1
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3, `latent_attention.py`) when kv_lora_rank > 0: queries through a
+    # rank-`q_lora_rank` bottleneck (0: a plain q_proj), keys and values from one rank-`kv_lora_rank` latent, each
+    # head's query and key of qk_nope_head_dim + head_dim (the rotary part, one key shared by every head), its value
+    # of v_head_dim; the rotary pairs interleaved with `rope_interleave`.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
@@ -114,6 +133,18 @@ class LlamaShape:
         if self.num_experts and len(self.dense_layers) == self.num_layers:
             raise UnsupportedConfigError(f"every one of the {self.num_layers} layers is dense (mlp_only_layers, "
                                          "decoder_sparse_step): a mixture-of-experts model needs one sparse layer")
+        if self.router_scoring not in ("softmax", "sigmoid"):
+            raise UnsupportedConfigError(f"router scoring {self.router_scoring!r} is not supported (softmax, sigmoid)")
+        groups, per_group = self.router_groups, self.num_experts // self.router_groups
+        if self.num_experts and (self.num_experts % groups or (groups > 1 and per_group < 2)
+                                 or not 1 <= self.router_topk_groups <= groups):
+            raise UnsupportedConfigError(f"n_group ({groups}) must divide n_routed_experts ({self.num_experts}) "
+                                         f"into groups of >= 2 (each scored by its top 2), topk_group "
+                                         f"({self.router_topk_groups}) between 1 and n_group")
+        if self.num_experts and groups > 1 and self.router_topk_groups * per_group < self.experts_per_token:
+            raise UnsupportedConfigError(f"topk_group ({self.router_topk_groups}) groups of "
+                                         f"{self.num_experts // self.router_groups} experts cannot hold "
+                                         f"num_experts_per_tok ({self.experts_per_token})")
         if self.sliding_window is not None and self.sliding_window < 1:
             raise UnsupportedConfigError(f"sliding_window must be >= 1 or null, got {self.sliding_window}")
 
@@ -124,6 +155,20 @@ class LlamaShape:
     def is_moe_layer(self, block: int) -> bool:
         """Whether decoder block `block` (0-based) is a mixture of experts (else the dense SwiGLU)."""
         return self.is_moe and block not in self.dense_layers
+
+    @property
+    def is_mla(self) -> bool:
+        """Multi-head latent attention (DeepSeek) instead of grouped-query attention."""
+        return self.kv_lora_rank > 0
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Each head's query and key width: head_dim, or with MLA the non-rotary part plus the rotary head_dim."""
+        return self.qk_nope_head_dim + self.head_dim if self.is_mla else self.head_dim
+
+    @property
+    def value_head_dim(self) -> int:
+        return self.v_head_dim if self.is_mla else self.head_dim
 
     @property
     def moe_layers(self) -> int:
@@ -158,7 +203,8 @@ class LlamaShape:
         if act != "silu":
             raise UnsupportedConfigError(f"hidden_act '{act}' is not supported (only 'silu')")
         moe = (_mixtral_fields(config) if model_type == "mixtral" else
-               _qwen_moe_fields(config) if model_type in ("qwen2_moe", "qwen3_moe") else {})
+               _qwen_moe_fields(config) if model_type in ("qwen2_moe", "qwen3_moe") else
+               _deepseek_fields(config) if model_type == "deepseek_v3" else {})
         qkv_bias, qk_norm, windowed = FAMILY_SWITCHES[model_type]
         if model_type == "llama" and getattr(config, "sliding_window", None):
             raise UnsupportedConfigError("sliding_window is not supported for model_type 'llama'")
@@ -222,6 +268,33 @@ def _yarn_scaling(rope: dict, max_position_embeddings: int) -> dict:
             "beta_fast": float(rope.get("beta_fast") or 32), "beta_slow": float(rope.get("beta_slow") or 1),
             "truncate": bool(rope.get("truncate", True)), "attention_factor": rope.get("attention_factor"),
             "mscale": rope.get("mscale"), "mscale_all_dim": rope.get("mscale_all_dim")}
+
+
+def _deepseek_fields(config) -> dict:
+    """DeepSeek-V3's fields (`DeepseekV3Config`): multi-head latent attention, the sigmoid router with its score
+    correction bias and group-limited choice, shared experts without a gate (one SwiGLU of
+    n_shared_experts x moe_intermediate_size), the first `first_k_dense_replace` layers dense. Its
+    multi-token-prediction layers are not part of the causal LM (HF skips them on load: `hf_source`)."""
+    if config.q_lora_rank is not None and config.q_lora_rank < 1:
+        raise UnsupportedConfigError(f"q_lora_rank={config.q_lora_rank} must be >= 1 or null")
+    if config.num_key_value_heads != config.num_attention_heads:
+        raise UnsupportedConfigError(f"num_key_value_heads={config.num_key_value_heads} is not supported for "
+                                     f"deepseek_v3 (only num_attention_heads, {config.num_attention_heads}: "
+                                     "latent attention expands a key and a value per head)")
+    first_dense = config.first_k_dense_replace
+    if not 0 <= first_dense < config.num_hidden_layers:
+        raise UnsupportedConfigError(f"first_k_dense_replace={first_dense} leaves no mixture-of-experts layer "
+                                     f"(num_hidden_layers {config.num_hidden_layers})")
+    return dict(num_experts=config.n_routed_experts, experts_per_token=config.num_experts_per_tok,
+                router_aux_loss_coef=0.0,  # DeepseekV3ForCausalLM adds no load-balancing loss
+                router_renormalize=bool(config.norm_topk_prob), moe_intermediate_size=config.moe_intermediate_size,
+                dense_layers=tuple(range(first_dense)),
+                shared_expert_intermediate_size=config.moe_intermediate_size * config.n_shared_experts,
+                router_scoring="sigmoid", router_score_bias=True, router_groups=config.n_group,
+                router_topk_groups=config.topk_group, routed_scaling_factor=float(config.routed_scaling_factor),
+                q_lora_rank=config.q_lora_rank or 0, kv_lora_rank=config.kv_lora_rank,
+                qk_nope_head_dim=config.qk_nope_head_dim, v_head_dim=config.v_head_dim,
+                head_dim=config.qk_rope_head_dim, rope_interleave=bool(config.rope_interleave))
 
 
 def _sliding_window(config) -> Optional[int]:

@@ -31,7 +31,9 @@ import torch.nn.functional as F
 from hybrid3d.ds_internals.zero3 import gathered, is_partitioned, written
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.tp_plan import (
+    BUFFERS,
     EMBEDDING,
+    ROUTER_BIAS,
     FINAL_NORM,
     LM_HEAD,
     REPLICATED,
@@ -53,7 +55,10 @@ MOE_FILE_NAMES = {
                 lambda e, proj: f"block_sparse_moe.experts.{e}.{MIXTRAL_EXPERT_WEIGHTS[proj]}.weight"),
     "qwen2_moe": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
     "qwen3_moe": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
+    "deepseek_v3": ("mlp.gate.weight", lambda e, proj: f"mlp.experts.{e}.{proj}.weight"),
 }
+# model_type -> the prefix its files give hybrid3d's `mlp.shared_expert.` (DeepSeek-V3's shared experts, one SwiGLU)
+SHARED_EXPERT_FILE_PREFIX = {"deepseek_v3": "mlp.shared_experts."}
 # transformers >= 5 in memory: `mlp.gate.weight` (E, h), `mlp.experts.gate_up_proj` (E, 2f, h) holding
 # [w1; w3] of each expert, `mlp.experts.down_proj` (E, h, f) holding w2.
 _FUSED_MOE = re.compile(r"^(.*\.layers\.\d+)\.mlp\.(gate\.weight|experts\.gate_up_proj|experts\.down_proj)$")
@@ -96,11 +101,20 @@ def param_specs(shape: LlamaShape, tp_size: int) -> list[ParamSpec]:
     return specs
 
 
+def plan_buffers(model: torch.nn.Module) -> dict:
+    """The model's buffers that the TP plan lists as tensors of the checkpoint (`tp_plan.BUFFERS`), by local name."""
+    return {name: b for name, b in model.named_buffers() if name.split(".", 1)[-1] in BUFFERS}
+
+
 def hf_block_name(name: str, model_type: str = "mixtral") -> str:
     """The HF file name of decoder-block weight `name` (hybrid3d's, under `<i + 1>.`), under `model.layers.<i>.`;
     `model_type` names the experts' family (MOE_FILE_NAMES)."""
     if name == "mlp.router.weight":
         return MOE_FILE_NAMES[model_type][0]
+    if name == ROUTER_BIAS:  # beside the router's weight: mlp.gate.e_score_correction_bias
+        return MOE_FILE_NAMES[model_type][0].removesuffix("weight") + "e_score_correction_bias"
+    if name.startswith("mlp.shared_expert.") and model_type in SHARED_EXPERT_FILE_PREFIX:
+        return SHARED_EXPERT_FILE_PREFIX[model_type] + name.removeprefix("mlp.shared_expert.")
     if name.startswith("mlp.experts."):
         _, _, expert, proj, _ = name.split(".")  # mlp.experts.<e>.<proj>.weight
         return MOE_FILE_NAMES[model_type][1](expert, proj)
@@ -169,6 +183,8 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state_dict: dict, shape: Llama
     """
     hf_state_dict = unfuse_hf_experts(hf_state_dict, shape.model_type)
     params = {name: p for name, p in model.named_parameters() if (LORA_PARAMETER in name) == adapters}
+    if not adapters:  # the persistent buffers the plan names (DeepSeek's router bias) load like weights
+        params.update(plan_buffers(model))
     filled = set()
     for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:
@@ -196,6 +212,8 @@ def gather_hf_state_dict(model: torch.nn.Module, shape: LlamaShape, tp: TensorPa
     the data-parallel group, one parameter at a time (its gradients are partitioned: `grads` is refused).
     """
     params = dict(model.named_parameters())
+    if not grads:
+        params.update(plan_buffers(model))
     out = {}
     for spec in param_specs(shape, tp.size):
         if spec.local_name not in params:

@@ -20,6 +20,7 @@ from torch import nn
 from hybrid3d.model.activations import join_activations, split_activations
 from hybrid3d.model.attention import Attention
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.latent_attention import LatentAttention
 from hybrid3d.model.mlp import SwiGLU
 from hybrid3d.model.moe import MoEFeedForward
 from hybrid3d.model.norm import RMSNorm
@@ -66,7 +67,7 @@ class DecoderBlock(nn.Module):
         super().__init__()
         kw = dict(device=device, dtype=dtype)
         self.input_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
-        self.self_attn = Attention(shape, tp, cp, **kw)
+        self.self_attn = LatentAttention(shape, tp, **kw) if shape.is_mla else Attention(shape, tp, cp, **kw)
         self.post_attention_layernorm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, tp, **kw)
         self.moe = shape.is_moe_layer(block)
         self.mlp = MoEFeedForward(shape, tp, ep, **kw) if self.moe else SwiGLU(shape, tp, **kw)

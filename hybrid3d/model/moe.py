@@ -113,24 +113,64 @@ def router_summary(tally: torch.Tensor) -> dict:
 
 
 class Router(nn.Module):
-    """Top-k gating, HF `MixtralTopKRouter`'s and `Qwen3MoeTopKRouter`'s math: logits = x Wᵀ, softmax in fp32,
-    top-k of the probabilities, renormalised by their sum (Qwen3-MoE: only with norm_topk_prob). Replicated over
-    TP."""
+    """Top-k gating, replicated over TP. "softmax" scoring (`shape.router_scoring`) is HF `MixtralTopKRouter`'s and
+    `Qwen3MoeTopKRouter`'s math: logits = x Wᵀ, softmax in fp32, top-k of the probabilities, renormalised by their
+    sum (Qwen: only with norm_topk_prob).
+
+    "sigmoid" is DeepSeek-V3's (`DeepseekV3TopkRouter`; DeepSeek-V3 report §2.1.2): logits in fp32 (x and W cast),
+    scores sigmoid(logits); the experts are chosen on scores + e_score_correction_bias (an fp32 buffer, moved by
+    aux-loss-free balancing, not by gradients), among the `router_topk_groups` of `router_groups` groups whose two
+    best biased scores sum highest; the weights are the unbiased scores of the chosen experts, divided by their sum
+    (+ 1e-20) with norm_topk_prob, times `routed_scaling_factor`. The load-balancing statistics count the scores."""
 
     def __init__(self, shape: LlamaShape, device=None, dtype=None):
         super().__init__()
         self.top_k = shape.experts_per_token
         self.renormalize = shape.router_renormalize
+        self.sigmoid = shape.router_scoring == "sigmoid"
+        self.groups, self.topk_groups = shape.router_groups, shape.router_topk_groups
+        self.scaling = shape.routed_scaling_factor
         full = (shape.num_experts, shape.hidden_size)  # (E, h)
         self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
         init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
+        if shape.router_score_bias:  # HF's name; saved with the weights (`hf_weights.BUFFER_NAMES`)
+            self.register_buffer("e_score_correction_bias",
+                                 torch.zeros(shape.num_experts, device=device, dtype=torch.float32))
+        else:
+            self.e_score_correction_bias = None
+
+    def _apply(self, fn, recurse=True):  # the bias stays fp32 under .bfloat16() as HF's (a moved copy, not cast)
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        if bias is not None:
+            self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
+        return self
 
     def forward(self, x):  # (n, h) -> probs (n, E) fp32, weights (n, k) fp32, indices (n, k)
+        if self.sigmoid:
+            return self._sigmoid_route(x)
         logits = F.linear(x, self.weight)  # (n, E)
         probs = torch.softmax(logits.float(), dim=-1)
         top_probs, indices = torch.topk(probs, self.top_k, dim=-1)
         weights = top_probs / top_probs.sum(dim=-1, keepdim=True) if self.renormalize else top_probs
         return probs, weights, indices
+
+    def _sigmoid_route(self, x):
+        scores = F.linear(x.float(), self.weight.float()).sigmoid()  # (n, E) fp32
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        n, experts = choice.shape
+        if self.groups > 1:  # group-limited routing: keep the experts of the best topk_groups groups
+            grouped = choice.view(n, self.groups, experts // self.groups)  # (n, G, E/G)
+            group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # (n, G): each group's two best
+            kept = torch.topk(group_scores, k=self.topk_groups, dim=-1, sorted=False)[1]  # (n, topk_groups)
+            group_mask = torch.zeros_like(group_scores).scatter_(1, kept, 1).bool()  # (n, G)
+            expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // self.groups).reshape(n, experts)
+            choice = choice.masked_fill(~expert_mask, float("-inf"))
+        indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # (n, k)
+        weights = scores.gather(1, indices)  # the unbiased scores
+        if self.renormalize:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return scores, weights * self.scaling, indices
 
 
 class Expert(nn.Module):

@@ -57,10 +57,26 @@ DENSE_MLP = ("mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight
 QKV_BIASES = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
 
+# Multi-head latent attention (model/latent_attention.py; LlamaShape.is_mla) in place of BLOCK_PLAN's attention, in
+# HF order: the query and key/value expansions column-parallel by heads, o row-parallel, the latent down projections
+# and their norms replicated. q_proj only without q_lora_rank, q_a_proj/q_a_layernorm/q_b_proj only with it.
+MLA_PLAN = {
+    "self_attn.q_proj.weight": COLUMN,
+    "self_attn.q_a_proj.weight": REPLICATED,
+    "self_attn.q_a_layernorm.weight": REPLICATED,
+    "self_attn.q_b_proj.weight": COLUMN,
+    "self_attn.kv_a_proj_with_mqa.weight": REPLICATED,
+    "self_attn.kv_a_layernorm.weight": REPLICATED,
+    "self_attn.kv_b_proj.weight": COLUMN,
+    "self_attn.o_proj.weight": ROW,
+}
+Q_LORA = ("self_attn.q_a_proj.weight", "self_attn.q_a_layernorm.weight", "self_attn.q_b_proj.weight")
+
 # A mixture-of-experts block's feed-forward (hybrid3d names; `{e}` is the expert index 0..E-1), in HF order; the
 # shared expert (LlamaShape.shared_expert_intermediate_size) is split like the dense MLP, its gate replicated.
 MOE_PLAN = {
     "mlp.router.weight": REPLICATED,
+    "mlp.router.e_score_correction_bias": REPLICATED,  # a buffer (LlamaShape.router_score_bias), not a parameter
     "mlp.experts.{e}.gate_proj.weight": COLUMN,
     "mlp.experts.{e}.up_proj.weight": COLUMN,
     "mlp.experts.{e}.down_proj.weight": ROW,
@@ -72,6 +88,8 @@ MOE_PLAN = {
 SHARED_EXPERT = ("mlp.shared_expert.gate_proj.weight", "mlp.shared_expert.up_proj.weight",
                  "mlp.shared_expert.down_proj.weight")
 SHARED_EXPERT_GATE = "mlp.shared_expert_gate.weight"
+ROUTER_BIAS = "mlp.router.e_score_correction_bias"
+BUFFERS = (ROUTER_BIAS,)  # plan entries that are persistent buffers: loaded, saved and exported with the weights
 
 
 # PEFT's LoRA `target_modules` names hybrid3d adapts (hybrid3d.lora.target_modules), and the block weight each adapts
@@ -118,10 +136,17 @@ def block_weights(shape: LlamaShape, block: int) -> list[tuple[str, str]]:
     for name in BLOCK_PLAN:
         if (name in QKV_BIASES and not shape.qkv_bias) or (name in QK_NORMS and not shape.qk_norm):
             continue
+        if shape.is_mla and name.startswith("self_attn."):
+            if name == "self_attn.q_proj.weight":  # the whole latent attention in its place
+                queries = Q_LORA if shape.q_lora_rank else ("self_attn.q_proj.weight",)
+                out += [(n, n) for n in MLA_PLAN if n in queries or n not in (*Q_LORA, "self_attn.q_proj.weight")]
+            continue
         if not (shape.is_moe_layer(block) and name in DENSE_MLP):
             out.append((name, name))
         elif name == DENSE_MLP[0]:
             out.append(("mlp.router.weight", "mlp.router.weight"))
+            if shape.router_score_bias:
+                out.append((ROUTER_BIAS, ROUTER_BIAS))
             out += [(template.format(e=e), template) for e in range(shape.num_experts)
                     for template in MOE_PLAN if "{e}" in template]
             if shape.shared_expert_intermediate_size:
@@ -169,7 +194,7 @@ def context_kv_heads(kv_per_rank: int, c: int) -> int:
 
 def block_kind(name: str, shape: LlamaShape, t: int) -> str:
     """The split of decoder-block weight `name` (a BLOCK_PLAN or MOE_PLAN key) at TP size t."""
-    kind = BLOCK_PLAN[name] if name in BLOCK_PLAN else MOE_PLAN[name]
+    kind = MLA_PLAN[name] if shape.is_mla and name in MLA_PLAN else BLOCK_PLAN.get(name) or MOE_PLAN[name]
     if kind == KV:
         return COLUMN if kv_heads_split(shape.num_kv_heads, t) else REPLICATED
     return kind

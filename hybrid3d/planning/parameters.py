@@ -2,6 +2,7 @@
 rank holds, the whole model's, and the LoRA adapters' (from the TP plan: `model/tp_plan.py`)."""
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.flop_counts import latent_attention_shapes
 from hybrid3d.model.pipe import stage_bounds
 from hybrid3d.model.tp_plan import kv_rows_per_rank, lora_factor_shapes, lora_weights
 from hybrid3d.parallel.pipeline_schedules import num_stages
@@ -32,6 +33,11 @@ def layer_parameter_numels(shape: LlamaShape, t: int, ep: int = 1) -> list[tuple
     bias = shape.qkv_bias  # Qwen2: each projection's bias follows its weight's rows
     attention = ([q * h] + [q] * bias + [kv * h] + [kv] * bias + [kv * h] + [kv] * bias + [h * q]
                  + [d, d] * shape.qk_norm)
+    if shape.is_mla:  # q_a, q_a_layernorm, q_b (or q), kv_a, kv_a_layernorm, kv_b, o: heads split over TP
+        *queries, kv_a, kv_b, o = latent_attention_shapes(shape)  # (out, in) each, unsplit
+        attention = ([queries[0][0] * h, shape.q_lora_rank, queries[1][0] // t * queries[1][1]] if shape.q_lora_rank
+                     else [queries[0][0] // t * h])
+        attention += [kv_a[0] * kv_a[1], shape.kv_lora_rank, kv_b[0] // t * kv_b[1], h * (o[1] // t)]
     blocks = [[h] + attention + [h] + (moe if shape.is_moe_layer(i) else swiglu(shape.intermediate_size))
               for i in range(shape.num_layers)]  # input norm, q/k/v/o (+ Qwen3's q/k norms), post-attention norm, MLP
     specs = [("Embedding", [vocab_rows * h])] + [("DecoderBlock", block) for block in blocks] + [("FinalNorm", [h])]

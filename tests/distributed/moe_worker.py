@@ -64,28 +64,37 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
     params = list(model.parameters())
     optimizer = torch.optim.AdamW(params, lr=ADAMW["lr"], betas=tuple(ADAMW["betas"]), eps=ADAMW["eps"],
                                   weight_decay=ADAMW["weight_decay"])
-    coef, top_k = model.config.router_aux_loss_coef, model.config.num_experts_per_tok
+    # DeepSeek-V3's class adds no load-balancing loss (and reports none)
+    coef = getattr(model.config, "router_aux_loss_coef", 0.0)
+    chosen = []  # every router's choices, (n, k) per layer and micro-batch: HF's routers return them third
+    hooks = [m.register_forward_hook(lambda _m, _i, out: chosen.append(out[2])) for name, m in model.named_modules()
+             if name.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)]
+    num_experts = next(m for n, m in model.named_modules() if n.endswith("mlp.gate")).weight.shape[0]
     losses, norms, aux, loads = [], [], [], []
     for step in range(steps):
         ids, targets = global_batch(step)
         micro = list(zip(ids.split(MICRO_BATCH), targets.split(MICRO_BATCH)))
-        step_losses, step_aux, counts = [], [], 0
+        step_losses, step_aux = [], []
+        chosen.clear()
         for mb_ids, mb_targets in micro:
             out = model(mb_ids, output_router_logits=True)
-            loss = F.cross_entropy(out.logits.flatten(0, 1), mb_targets.flatten()) + coef * out.aux_loss
+            loss = F.cross_entropy(out.logits.flatten(0, 1), mb_targets.flatten())
+            if getattr(out, "aux_loss", None) is not None:
+                loss = loss + coef * out.aux_loss
+                step_aux.append(out.aux_loss.item())
             (loss / len(micro)).backward()
             step_losses.append(loss.item())
-            step_aux.append(out.aux_loss.item())
-            for logits in out.router_logits:  # (n, E) per layer: its top-k choices
-                chosen = logits.topk(top_k, dim=-1).indices.flatten()
-                counts = counts + torch.bincount(chosen, minlength=logits.shape[-1])
         norms.append(torch.nn.utils.clip_grad_norm_(params, CLIP).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(sum(step_losses) / len(step_losses))
-        aux.append(sum(step_aux) / len(step_aux))
+        aux.append(sum(step_aux) / len(step_aux) if step_aux else None)
+        counts = torch.bincount(torch.cat([c.flatten() for c in chosen]), minlength=num_experts)
         loads.append((counts / counts.sum()).tolist())  # each expert's share of the step's assignments
-    weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(model.state_dict(), model.config.model_type).items()}
+    for hook in hooks:
+        hook.remove()
+    state = dict(model.state_dict())
+    weights = {n: t.detach().clone() for n, t in unfuse_hf_experts(state, model.config.model_type).items()}
     return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 

@@ -82,6 +82,6 @@ def test_cli_converts_both_ways_and_refuses_gemma_in_one_line(sources, tmp_path)
     assert refused.returncode == 2, refused.stderr
     lines = [line for line in refused.stderr.splitlines() if line.startswith("error:")]
     assert lines == ["error: model_type 'gemma' is not supported "
-                     "(supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe)"], \
+                     "(supported: llama, mistral, qwen2, qwen3, mixtral, qwen2_moe, qwen3_moe, deepseek_v3)"], \
         refused.stderr
     assert "Traceback" not in refused.stderr and not (tmp_path / "out").exists()
