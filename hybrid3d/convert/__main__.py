@@ -64,6 +64,10 @@ def main(argv=None) -> int:
         if args.command == "hf2hybrid":
             result = hf_to_hybrid(args.hf_model, args.out, tp=args.tp, pp=args.pp, dtype=dtype,
                                   allow_pickle=args.allow_pickle, vocab_pad_multiple=args.vocab_pad_multiple)
+            if result.skipped:
+                layers = sorted({int(name.split(".")[2]) for name in result.skipped})  # model.layers.<i>.
+                print(f"skipped layer {', '.join(map(str, layers))} ({len(result.skipped)} tensors): DeepSeek-V3's "
+                      "multi-token prediction, not part of the causal LM (transformers skips it too)")
             print(f"wrote {result.out_dir}: {result.files} files at tp={result.layout.tp} pp={result.layout.pp} "
                   f"in {result.seconds:.1f} s")
         else:

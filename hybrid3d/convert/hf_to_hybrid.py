@@ -33,7 +33,7 @@ from hybrid3d.convert.output import copy_metadata_files, staging_dir
 from hybrid3d.errors import ConversionError
 from hybrid3d.config.support import check_experts
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.hf_source import HFSource
+from hybrid3d.model.hf_source import HFSource, multi_token_prediction_tensors
 from hybrid3d.model.hf_weights import ParamSpec, param_specs, shard_hf_tensor
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.model.tp_plan import check_split
@@ -49,6 +49,7 @@ class Hf2HybridResult:
     layout: ParallelLayout
     files: int
     seconds: float
+    skipped: tuple = ()  # the source's tensors left out: DeepSeek-V3's multi-token-prediction layers
 
 
 def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype] = None, allow_pickle: bool = False,
@@ -62,7 +63,8 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
     check_split(shape, layout.tp, layout.pp)
     check_experts(shape.num_experts, layout.tp, layout.pp, 1, 1)
     specs = param_specs(shape, tp)
-    check_source_tensors(source, specs)
+    skipped = tuple(multi_token_prediction_tensors(source))
+    check_source_tensors(source, specs, set(skipped))
     models = [meta_model(shape, rank, tp) for rank in range(tp)]
     state = client_state(source.config, shape, tp, pp, converted_from=str(Path(hf_dir).absolute()), module_only=True)
 
@@ -88,12 +90,13 @@ def hf_to_hybrid(hf_dir, out_dir, tp: int, pp: int, dtype: Optional[torch.dtype]
         (staging / ds_files.LATEST).write_text(ds_files.CONVERTED_TAG)
         copy_metadata_files(source.directory, staging / HF_FILES_DIR)
         files = len(manifest)
-    return Hf2HybridResult(Path(out_dir), shape, layout, files, time.perf_counter() - start)
+    return Hf2HybridResult(Path(out_dir), shape, layout, files, time.perf_counter() - start, skipped)
 
 
-def check_source_tensors(source: HFSource, specs: list[ParamSpec]) -> None:
+def check_source_tensors(source: HFSource, specs: list[ParamSpec], skipped: frozenset = frozenset()) -> None:
     """Every tensor the model needs is there with the shape config.json implies, and nothing else
-    is: a tensor the table does not map would be silently dropped otherwise."""
+    is (but the `skipped` ones, said so by the caller): a tensor the table does not map would be silently dropped
+    otherwise."""
     expected = hf_parameter_shapes(source.config)
     mapped = {spec.hf_name for spec in specs}
     if set(expected) != mapped:
@@ -107,7 +110,7 @@ def check_source_tensors(source: HFSource, specs: list[ParamSpec]) -> None:
                                   f"{tuple(full_shape)}")
     tied_duplicates = {"lm_head.weight"} if source.config.tie_word_embeddings else set()
     for name, info in source.tensors.items():
-        if name not in mapped and name not in tied_duplicates and not name.endswith(IGNORED_SUFFIXES):
+        if name not in mapped and name not in tied_duplicates | skipped and not name.endswith(IGNORED_SUFFIXES):
             raise ConversionError(f"{info.file}: tensor '{name}' has no place in the model "
                                   f"(model_type {source.config.model_type})")
 

@@ -154,6 +154,19 @@ def _pickle_headers(file: Path) -> dict[str, TensorInfo]:
     return {name: TensorInfo(file, t.shape, t.dtype) for name, t in state.items()}
 
 
+def multi_token_prediction_tensors(source: HFSource) -> list[str]:
+    """The tensors of DeepSeek-V3's multi-token-prediction layers in `source` (`model.layers.<i>.` for the
+    num_nextn_predict_layers indices from num_hidden_layers on): a second objective the causal LM does not use,
+    which transformers skips on load (`DeepseekV3PreTrainedModel._keys_to_ignore_on_load_unexpected`)."""
+    config = source.config
+    extra = getattr(config, "num_nextn_predict_layers", 0) or 0
+    if config.model_type != "deepseek_v3" or not extra:
+        return []
+    first = config.num_hidden_layers
+    prefixes = tuple(f"model.layers.{i}." for i in range(first, first + extra))
+    return sorted(name for name in source.tensors if name.startswith(prefixes))
+
+
 def open_hf_weights(folder: str, shape: LlamaShape, tp_size: int) -> HFSource:
     """The HF folder's weights (`HFSource`), refused unless it holds every base weight `shape` needs."""
     weights = HFSource.open(folder)

@@ -205,3 +205,30 @@ def test_what_hf_would_compute_differently_is_refused_naming_the_field(field, ov
     with pytest.raises(UnsupportedConfigError, match=field) as error:
         LlamaShape.from_hf(DeepseekV3Config(**{**SIZES, **overrides}))
     assert "\n" not in str(error.value)
+
+
+def test_multi_token_prediction_layers_are_skipped_saying_so(tmp_path, capsys):
+    """A hub checkpoint's layer num_hidden_layers (multi-token prediction) is not the causal LM's: hf2hybrid leaves its
+    tensors out with one line saying so, the export and its logits are the model's without them; a tensor of any
+    other unknown layer is still refused."""
+    from safetensors.torch import load_file, save_file
+
+    from hybrid3d.convert.__main__ import main
+    from hybrid3d.convert.hybrid_to_hf import hybrid_to_hf
+
+    hf = make_hf(seed=9)
+    source = tmp_path / "hf"
+    hf.save_pretrained(source)
+    tensors = load_file(source / "model.safetensors")
+    mtp = {"model.layers.4.eh_proj.weight": torch.ones(48, 96), "model.layers.4.enorm.weight": torch.ones(48)}
+    save_file({**tensors, **mtp}, source / "model.safetensors", metadata={"format": "pt"})
+    assert main(["hf2hybrid", "--hf-model", str(source), "--out", str(tmp_path / "ckpt"), "--tp", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "skipped layer 4 (2 tensors): DeepSeek-V3's multi-token prediction" in out
+    hybrid_to_hf(tmp_path / "ckpt", tmp_path / "out")
+    exported = HFSource.open(str(tmp_path / "out"))
+    assert set(exported) == set(tensors) and all(torch.equal(exported[n], tensors[n]) for n in tensors)
+    save_file({**tensors, "model.layers.5.enorm.weight": torch.ones(48)}, source / "model.safetensors",
+              metadata={"format": "pt"})
+    assert main(["hf2hybrid", "--hf-model", str(source), "--out", str(tmp_path / "ckpt2"), "--tp", "1"]) == 2
+    assert "model.layers.5.enorm.weight' has no place in the model" in capsys.readouterr().err
