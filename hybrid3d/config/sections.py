@@ -115,6 +115,10 @@ class HybridSection:
     # Expert capacity (GShard; Switch): null drops nothing (HF Mixtral's results); c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' k assignments and drops the rest (hybrid3d.model.moe.capacity_keep).
     expert_capacity_factor: Optional[float] = None
+    # Aux-loss-free load balancing (DeepSeek-V3 report §2.1.2; Megatron's moe_router_bias_update_rate): once per
+    # optimizer step each router's e_score_correction_bias moves by rate · sign(mean − count) of its experts' token
+    # counts over the data-parallel ranks (training/expert_bias.py). 0: off. Needs a router with that bias (DeepSeek).
+    expert_bias_update_rate: float = 0.0
     seed: int = 1234
     timeout_seconds: int = 1800  # collective timeout and the hang watchdog's limit
     vocab_pad_multiple: int = 128

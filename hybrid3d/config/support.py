@@ -58,6 +58,13 @@ def check_expert_stages(shape: LlamaShape, pp: int, ep: int, stage_bounds: Optio
                               f"layer on every stage (fewer pipeline stages, or expert_parallel_size 1)")
 
 
+def check_expert_bias_update(rate: float, router_score_bias: bool) -> None:
+    """Aux-loss-free balancing moves the routers' score correction bias, which only DeepSeek-V3's router has."""
+    if rate and not router_score_bias:
+        raise ConfigError(f"{SECTION}.expert_bias_update_rate ({rate}) needs a router with e_score_correction_bias "
+                          "(model_type deepseek_v3)")
+
+
 def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False, schedule: str = "1f1b",
                       pipeline_zero2: bool = False, checkpoint_interval: int = 0, use_reentrant: bool = True,
                       capacity_factor: Optional[float] = None, document_mask: bool = False) -> None:

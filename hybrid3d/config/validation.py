@@ -25,8 +25,8 @@ from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages, run_stage_bounds
-from hybrid3d.config.support import (check_compile, check_expert_stages, check_experts, check_lora, check_moe_options,
-                                     check_ring_attention, check_zero3)
+from hybrid3d.config.support import (check_compile, check_expert_bias_update, check_expert_stages, check_experts,
+                                     check_lora, check_moe_options, check_ring_attention, check_zero3)
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint
@@ -70,6 +70,7 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
                       use_reentrant=config.use_reentrant, capacity_factor=hybrid.expert_capacity_factor,
                       document_mask=hybrid.data.document_mask)
     check_zero3(config.zero_stage, shape.is_moe, shape.loss_chunk_tokens, hybrid.compile.enabled)
+    check_expert_bias_update(hybrid.expert_bias_update_rate, shape.router_score_bias)
     check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
     if layout.ep > 1 and layout.pp > 1:  # the bounds once the schedule's stages are known to be cuttable
         check_expert_stages(shape, layout.pp, layout.ep, run_stage_bounds(

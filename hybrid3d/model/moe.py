@@ -133,7 +133,9 @@ class Router(nn.Module):
         full = (shape.num_experts, shape.hidden_size)  # (E, h)
         self.weight = nn.Parameter(torch.empty(full, device=device, dtype=dtype))
         init_shard_(self.weight, full, 0, TensorParallelGroup.single(), normal_init(shape.initializer_range))
-        if shape.router_score_bias:  # HF's name; saved with the weights (`hf_weights.BUFFER_NAMES`)
+        self.count_tokens = False  # set by training/expert_bias.py: training forwards add to `token_counts`
+        self.token_counts = None  # (E,) fp32, tokens routed to each expert since the last take; not a buffer
+        if shape.router_score_bias:  # HF's name; saved with the weights (`tp_plan.BUFFERS`)
             self.register_buffer("e_score_correction_bias",
                                  torch.zeros(shape.num_experts, device=device, dtype=torch.float32))
         else:
@@ -145,6 +147,22 @@ class Router(nn.Module):
         if bias is not None:
             self.e_score_correction_bias = bias.to(self.e_score_correction_bias.device)
         return self
+
+    def _count(self, indices):
+        """Add a training micro-batch's assignments to `token_counts` (index_add: no device-to-host sync). A block
+        recomputed under activation checkpointing counts its tokens twice, every micro-batch alike: the balancing
+        update reads only the sign of (mean − count), which that does not change."""
+        if self.token_counts is None:
+            self.token_counts = torch.zeros(self.weight.shape[0], dtype=torch.float32, device=indices.device)
+        flat = indices.reshape(-1)
+        self.token_counts.index_add_(0, flat, torch.ones(flat.numel(), dtype=torch.float32, device=flat.device))
+
+    def take_token_counts(self) -> torch.Tensor:
+        """The counts since the last take, (E,) fp32 (zeros if none), and reset."""
+        counts = self.token_counts
+        self.token_counts = None
+        return counts if counts is not None else torch.zeros(self.weight.shape[0], dtype=torch.float32,
+                                                             device=self.weight.device)
 
     def forward(self, x):  # (n, h) -> probs (n, E) fp32, weights (n, k) fp32, indices (n, k)
         if self.sigmoid:
@@ -167,6 +185,8 @@ class Router(nn.Module):
             expert_mask = group_mask.unsqueeze(-1).expand(-1, -1, experts // self.groups).reshape(n, experts)
             choice = choice.masked_fill(~expert_mask, float("-inf"))
         indices = torch.topk(choice, k=self.top_k, dim=-1, sorted=False)[1]  # (n, k)
+        if self.count_tokens and self.training and torch.is_grad_enabled():
+            self._count(indices)
         weights = scores.gather(1, indices)  # the unbiased scores
         if self.renormalize:
             weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)

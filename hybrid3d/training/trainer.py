@@ -49,6 +49,7 @@ from hybrid3d.parallel.world import process_group_timeout
 from hybrid3d.training.compile import compile_blocks
 from hybrid3d.training.engines import engine_for
 from hybrid3d.config.validation import ValidRun
+from hybrid3d.training.expert_bias import start_counting, update_expert_biases
 
 Batch = tuple  # a data.MicroBatch, or (input_ids (b, s), targets (b, s))
 
@@ -64,6 +65,9 @@ class Trainer:
         self.groups = groups
         self.shape = shape
         self.loads_universal = loads_universal  # the checkpoint it will load is DeepSpeed's universal one
+        self.expert_bias_rate = config.hybrid.expert_bias_update_rate  # aux-loss-free balancing (expert_bias.py)
+        if self.expert_bias_rate:
+            start_counting(self.module)
 
     @property
     def module(self):
@@ -81,6 +85,13 @@ class Trainer:
         """Release the engine (DeepSpeed's `destroy`: its optimizer's gradient hooks, which live in autograd's C++
         graph and would otherwise keep the engine, its process groups and their threads alive after the run)."""
         self.engine.destroy()
+
+    def _balance_experts(self) -> None:
+        """After an optimizer step: the aux-loss-free bias update from that step's token counts (a collective over
+        the data-parallel group), when hybrid3d.expert_bias_update_rate asks for it."""
+        if self.expert_bias_rate:
+            update_expert_biases(self.module, self.expert_bias_rate, self.groups.get_data_parallel_group(),
+                                 self.groups.get_data_parallel_world_size())
 
     def router_metrics(self) -> dict:
         """A MoE model's load-balancing loss and expert loads over the last training step's global batch
@@ -179,7 +190,9 @@ class PipelineTrainer(Trainer):
         return (engine_batch(b, cp) for b in micro_batches)
 
     def train_step(self, micro_batches):
-        return float(self.engine.train_batch(data_iter=self._shards(micro_batches)))
+        loss = float(self.engine.train_batch(data_iter=self._shards(micro_batches)))
+        self._balance_experts()
+        return loss
 
     def eval_step(self, micro_batches):
         return float(self.engine.eval_batch(data_iter=self._shards(micro_batches)))
@@ -218,6 +231,7 @@ class DataParallelTrainer(Trainer):
             self.engine.backward(loss)  # scales by 1/GAS; reduces gradients over DP at the boundary
             self.engine.step()  # steps the optimizer only at the accumulation boundary
             losses.append(loss.detach())
+        self._balance_experts()
         return self._dp_mean(losses)
 
     def eval_step(self, micro_batches):

@@ -56,8 +56,11 @@ def capacity_reference(factor: float):
         MixtralSparseMoeBlock.forward = saved
 
 
-def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
-    """Losses, pre-clipping gradient norms and final weights (HF file names) of HF + torch AdamW."""
+def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overrides) -> dict:
+    """Losses, pre-clipping gradient norms and final weights (HF file names) of HF + torch AdamW. `bias_rate`:
+    after every optimizer step each HF router's e_score_correction_bias moves by rate · sign(mean − count) of the
+    tokens its `forward` chose for each expert over the step's global batch (aux-loss-free balancing, written
+    here from the rule)."""
     from hybrid3d.model.hf_weights import unfuse_hf_experts
 
     model = load_mixtral(directory, **overrides)
@@ -66,9 +69,9 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
                                   weight_decay=ADAMW["weight_decay"])
     # DeepSeek-V3's class adds no load-balancing loss (and reports none)
     coef = getattr(model.config, "router_aux_loss_coef", 0.0)
-    chosen = []  # every router's choices, (n, k) per layer and micro-batch: HF's routers return them third
-    hooks = [m.register_forward_hook(lambda _m, _i, out: chosen.append(out[2])) for name, m in model.named_modules()
-             if name.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)]
+    chosen = []  # (router, its choices (n, k)) per layer and micro-batch: HF's routers return the choices third
+    hooks = [m.register_forward_hook(lambda router, _i, out: chosen.append((router, out[2])))
+             for name, m in model.named_modules() if name.endswith("mlp.gate") and not isinstance(m, torch.nn.Linear)]
     num_experts = next(m for n, m in model.named_modules() if n.endswith("mlp.gate")).weight.shape[0]
     losses, norms, aux, loads = [], [], [], []
     for step in range(steps):
@@ -89,7 +92,13 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
         optimizer.zero_grad()
         losses.append(sum(step_losses) / len(step_losses))
         aux.append(sum(step_aux) / len(step_aux) if step_aux else None)
-        counts = torch.bincount(torch.cat([c.flatten() for c in chosen]), minlength=num_experts)
+        if bias_rate:
+            with torch.no_grad():
+                for router in {router for router, _ in chosen}:
+                    mine = torch.cat([c.flatten() for r, c in chosen if r is router])
+                    layer = torch.bincount(mine, minlength=num_experts).float()
+                    router.e_score_correction_bias += bias_rate * torch.sign(layer.mean() - layer)
+        counts = torch.bincount(torch.cat([c.flatten() for _, c in chosen]), minlength=num_experts)
         loads.append((counts / counts.sum()).tolist())  # each expert's share of the step's assignments
     for hook in hooks:
         hook.remove()
@@ -98,7 +107,7 @@ def reference_run(directory, steps: int = STEPS, **overrides) -> dict:
     return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 
-def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, **extra) -> dict:
+def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, **extra) -> dict:
     return {**extra,
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -108,7 +117,7 @@ def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, **extra) -> d
         "steps_per_print": 10**6,
         "comms_logger": {"enabled": True, "prof_all": False},  # switched on for the last step (`run_one`)
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
-                     "expert_capacity_factor": capacity},
+                     "expert_capacity_factor": capacity, "expert_bias_update_rate": bias_rate},
     }
 
 
@@ -128,7 +137,8 @@ def run_one(run: dict, model_dir: str) -> dict:
     hf_state = hf.state_dict()
 
     def build():
-        config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), **run.get("extra", {}))
+        config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), run.get("bias_rate", 0.0),
+                           **run.get("extra", {}))
         return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 
     trainer = build()

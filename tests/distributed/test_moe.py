@@ -53,6 +53,16 @@ for family, tag in (("qwen3_moe", "qwen3moe"), ("qwen2_moe", "qwen2moe"), ("deep
     RUN_DICTS += [dict(name=f"{tag}-{n}", tp=t, pp=p, ep=e, zero=z, world=w, family=family, ref=family)
                   for n, t, p, e, z, w in (("TP2-PP2-Z1", 2, 2, 1, 1, 4), ("DP2-Z2", 1, 1, 1, 2, 2),
                                            ("EP2-DP2-Z2", 1, 1, 2, 2, 2), ("TP2-EP2-DP2-Z1", 2, 1, 2, 1, 4))]
+# DeepSeek-V3's aux-loss-free balancing (hybrid3d.expert_bias_update_rate): the routers' biases move once per step
+# from the token counts over the data-parallel ranks (EP2, and TP2 x EP2, whose TP ranks route the same tokens), and
+# a resume at step 3 continues from the saved biases
+BIAS_RATE = 0.01
+RUN_DICTS += [dict(name="deepseekv3-EP2-DP2-Z2-bias", tp=1, pp=1, ep=2, zero=2, world=2, family="deepseek_v3",
+                   ref="deepseek_v3-bias", bias_rate=BIAS_RATE),
+              dict(name="deepseekv3-TP2-EP2-DP2-Z1-bias", tp=2, pp=1, ep=2, zero=1, world=4, family="deepseek_v3",
+                   ref="deepseek_v3-bias", bias_rate=BIAS_RATE),
+              dict(name="deepseekv3-EP2-DP2-Z2-bias-resume", tp=1, pp=1, ep=2, zero=2, world=2,
+                   family="deepseek_v3", ref="deepseek_v3-bias", bias_rate=BIAS_RATE, resume_at=3)]
 # Qwen3-MoE's first stage holds its two dense layers only (EP beside it is refused: config/support.py
 # check_expert_stages); Qwen2-MoE's stages each hold a MoE layer, so EP runs beside the pipeline
 RUN_DICTS += [dict(name="qwen3moe-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2, family="qwen3_moe", ref="qwen3_moe"),
@@ -69,6 +79,7 @@ def results(tmp_path_factory):
     for family in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
         make_mixtral(root / family, family=family)
         refs[family] = reference_run(root / family)
+    refs["deepseek_v3-bias"] = reference_run(root / "deepseek_v3", bias_rate=BIAS_RATE)
     with capacity_reference(1.0):
         refs["capacity"] = reference_run(model_dir)
     return {"ref": refs, "runs": run_worlds_by_size(moe_runs, RUN_DICTS, root, model_dir), "root": root}
@@ -99,6 +110,19 @@ def test_moe_layout_matches_hf_over_five_steps(results, run):
     assert ref["losses"][-1] < ref["losses"][0] - 0.05
     if "capacity" in run:  # the capacity dropped assignments: the dropless run differs by far more than TOL
         assert max_abs(weights, results["ref"]["aux"]["weights"]) > 100 * TOL
+
+
+def test_aux_free_balancing_moves_the_biases(results):
+    """The three runs above equal the reference whose biases moved by the rule; here: they did move, every entry by
+    a multiple of the rate over the 5 steps, and the runs without the update left them where they were."""
+    moved, still = results["ref"]["deepseek_v3-bias"]["weights"], results["ref"]["deepseek_v3"]["weights"]
+    biases = [n for n in moved if n.endswith("e_score_correction_bias")]
+    assert len(biases) == 3
+    for name in biases:
+        steps = (moved[name] - still[name]) / BIAS_RATE  # still: the initial biases
+        assert steps.abs().max() >= 1 and torch.allclose(steps, steps.round(), atol=1e-3)
+        for report in results["runs"]["deepseekv3-DP2-Z2"]:
+            assert torch.equal(report["weights"][name], still[name])
 
 
 def test_moe_pipeline_sends_whole_activations(results):

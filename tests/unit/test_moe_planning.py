@@ -105,3 +105,19 @@ def test_dense_and_moe_blocks_are_counted_and_weighed_apart():
     dense, moe = attention + 3 * 48 * 88, attention + 3 * 3 * 48 * 40 + 6 * 48 + 3 * 48 * 56 + 48
     assert layer_costs(shape)[1:5] == (6 * dense, 6 * moe, 6 * dense, 6 * moe)
     assert sum(sum(sizes) for _, sizes in specs) == sum(p.numel() for p in model.parameters())
+
+
+def test_deepseek_v3_totals_and_active_parameters():
+    """DeepseekV3Config's defaults are DeepSeek-V3's published config.json sizes: every parameter HF builds (on the
+    meta device; the multi-token-prediction layer, which HF does not build, left out), 671B in all and 37B active
+    per token (DeepSeek-V3 report, arXiv 2412.19437, §1), latent attention and the shared expert included."""
+    import torch
+    from transformers import AutoModelForCausalLM, DeepseekV3Config
+
+    config = DeepseekV3Config()
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    shape = LlamaShape.from_hf(config)
+    assert model_parameters(shape) == sum(p.numel() for p in hf.parameters())
+    assert model_parameters(shape) == pytest.approx(671e9, rel=1e-3)
+    assert matmul_parameters(shape) + config.vocab_size * config.hidden_size == pytest.approx(37e9, rel=2e-2)
