@@ -75,6 +75,7 @@ from hybrid3d.config.sections import CONTEXT_PARALLEL_COMMS
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.pipe import check_schedule_stages, stage_bounds
 from hybrid3d.model.tp_plan import context_kv_heads, kv_heads_per_rank
+from hybrid3d.planning.block_activations import latent_attention_bytes, moe_feed_forward_bytes, qk_norm_bytes
 from hybrid3d.parallel.pipeline_schedules import num_stages, weighted_peak_in_flight
 from hybrid3d.parallel.tensor_parallel.layers import padded_vocab_size
 
@@ -131,7 +132,7 @@ def attention_mask_kind(shape: LlamaShape, s: int, document_mask: bool) -> Optio
 
 def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_attention: bool = True,
                                sequence_parallel: bool = False, cp: int = 1, mask: Optional[str] = None,
-                               comm: str = "a2a", cp_a2a: int = 1, lp: int = 2) -> float:
+                               comm: str = "a2a", cp_a2a: int = 1, lp: int = 2, block: Optional[int] = None) -> float:
     """Bytes one decoder block keeps for backward per micro-batch (module docstring), s_c = s/c:
     norms (16·s_c·b·h + 8·s_c·b)/(t with SP) + Q 2·s_c·b·a·d_h/t + K, V 4·s_c·b·k_c·d_h + attention output
     2·s_c·b·a·d_h/t (twice with CP) + SwiGLU 8·s_c·b·f/t + core 4·a·s·b/(t·c) fused or 2·a·s²·b/(t·c)
@@ -142,22 +143,26 @@ def activation_bytes_per_layer(shape: LlamaShape, b: int, s: int, t: int, flash_
     rows are gathered per token, (b, s, d_h) each. The shared mask itself is counted by `activation_bytes`.
     `comm`, `cp_a2a`: context_parallel_comm and context_parallel_a2a_size; a ring (`uses_ring`) keeps k_c =
     `cp_kv_heads` heads with or without a mask and always runs the fused kernel (module docstring). `lp`: bytes of
-    the compute dtype (2 bf16, 4 fp32: module docstring)."""
+    the compute dtype (2 bf16, 4 fp32: module docstring). `block` (0-based): which decoder block, for a model whose
+    blocks differ (a MoE model's dense and expert blocks); None: a MoE block if the model has one. The mixture of
+    experts, latent attention and q/k norms: `block_activations`."""
     h, a, d = shape.hidden_size, shape.num_heads, shape.head_dim
-    # A MoE model: one routed expert's width, as counted so far (not yet the k experts' rows, a shared expert's, or
-    # the different width of its dense blocks)
-    f = shape.expert_intermediate_size if shape.is_moe else shape.intermediate_size
     s_c = sequence_chunk(s, t, sequence_parallel, cp)
+    n = s_c * b
+    moe_block = shape.is_moe if block is None else shape.is_moe_layer(block)
     ring = uses_ring(cp, comm)
     norms = (2 * (4 + 2 * lp) * s_c * b * h + 8 * s_c * b) / (t if sequence_parallel else 1)
     q = lp * s_c * b * a * d / t
     kv = 2 * q if mask and not ring else 2 * lp * s_c * b * cp_kv_heads(shape, t, cp, comm, cp_a2a) * d
     out = q * (2 if cp > 1 else 1)
-    swiglu = 4 * lp * s_c * b * f / t
+    feed_forward = moe_feed_forward_bytes(shape, n, t, lp) if moe_block else 4 * lp * n * shape.intermediate_size / t
     fused = flash_attention or ring  # the ring's blocks: torch's fused kernel, which returns the log-sum-exp
+    if shape.is_mla:  # expert models run without SP, CP, documents and windows (config/support.py)
+        return norms + latent_attention_bytes(shape, b, s, t, fused, lp) + feed_forward
     core = 4 * a * s * b / (t * cp) if fused else 2 * a * s * s * b / (t * cp)
     table = 8 * s if ring else 0  # the ring's int64 (c/u, u·s/c) table of every member's positions, per block
-    return norms + q + kv + out + swiglu + core + table + gathered_rope_bytes(shape, b, s, cp, mask, comm, cp_a2a, lp)
+    return (norms + q + kv + out + qk_norm_bytes(shape, n, t, lp) + feed_forward + core + table
+            + gathered_rope_bytes(shape, b, s, cp, mask, comm, cp_a2a, lp))
 
 
 def gathered_rope_bytes(shape: LlamaShape, b: int, s: int, cp: int = 1, mask: Optional[str] = None,
@@ -241,15 +246,22 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
     if sequence_parallel and partition_activations:
         raise ValueError("sequence_parallel and partition_activations exclude each other")
     mask = attention_mask_kind(shape, s, document_mask)
-    per_layer = activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm, cp_a2a,
-                                           lp)
+    def block_bytes(block: Optional[int]) -> float:
+        return activation_bytes_per_layer(shape, b, s, tp, flash_attention, sequence_parallel, cp, mask, comm,
+                                          cp_a2a, lp, block)
+
+    # a MoE model's expert blocks and its dense ones (`shape.dense_layers`) keep different amounts
+    per_moe = block_bytes(None)
+    per_dense = block_bytes(shape.dense_layers[0]) if shape.dense_layers else per_moe
+    per_layer = max(per_moe, per_dense)  # the layer being recomputed under checkpointing: the larger kind
     shared = not uses_ring(cp, comm)  # a ring builds each block's mask when it runs it
     # once per rank: the (s, s) bf16 window mask and RoPE's shared tables
     per_rank = (lp * s * s if mask == "window" and shared else 0) + shared_rope_bytes(shape, s, cp, mask, comm, lp)
     document_masks = lp * b * s * s if mask == "documents" and shared else 0  # one per micro-batch: (b, 1, s, s)
-    kept, recompute = per_layer, 0  # what a block keeps per micro-batch; the layer being recomputed
+    kept_moe, kept_dense, recompute = per_moe, per_dense, 0  # what a block keeps per micro-batch; the recomputed one
     if checkpointing:
-        kept = lp * (s // cp) * b * shape.hidden_size / (tp if partition_activations or sequence_parallel else 1)
+        kept_moe = kept_dense = lp * (s // cp) * b * shape.hidden_size / (
+            tp if partition_activations or sequence_parallel else 1)
         recompute = per_layer + document_masks  # the recomputed layer builds its micro-batch's mask again
     shared_per_micro_batch = 0 if checkpointing else document_masks
 
@@ -258,7 +270,8 @@ def activation_bytes(shape: LlamaShape, b: int, s: int, tp: int, pp: int, stage:
         if sigma == 0:
             extra += input_layer_activation_bytes(shape, b, s, tp, cp)
         layers = stage_layer_count(shape, stages, sigma)
-        return layers * kept + (shared_per_micro_batch if layers else 0) + extra
+        moe = stage_layer_count(shape, stages, sigma, moe_only=True)
+        return moe * kept_moe + (layers - moe) * kept_dense + (shared_per_micro_batch if layers else 0) + extra
 
     if schedule == "1f1b":
         return in_flight_micro_batches(pp, stage, gas) * stage_bytes(stage, pp) + recompute + per_rank
