@@ -177,7 +177,7 @@ class PeakProbe:
             if hasattr(engine, name):
                 setattr(engine, name, self._wrap(getattr(engine, name), "boundary",
                                                  engine.is_gradient_accumulation_boundary))
-        base.step = self._wrap(base.step, "step", lambda: True)
+        base.step = self._wrap(base.step, "step", lambda: True, keep_larger=True)
         if isinstance(engine, ZeRO2PipelineEngine):
             # It reduces during every backward: `boundary` is the largest snapshot taken at a bucket
             # reduction or a ZeRO-2 epilogue (what `memory.model_states_from_numels` predicts for it).

@@ -85,6 +85,7 @@ from hybrid3d.planning.parameters import (  # noqa: F401 (re-exported: the memor
     layer_parameter_numels,
     model_parameters,
     rank_adapter_numels,
+    rank_expert_numels,
     rank_parameter_numels,
     stage_parameter_numels,
 )
@@ -309,45 +310,96 @@ def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int],
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
                       dp_rank: int = 0, gas: int = 1, reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET,
                       pipeline_zero2: bool = False, deferred_fraction: float = 0.0, schedule: str = "1f1b",
-                      virtual: int = 1) -> RankModelStates:
+                      virtual: int = 1, ep: int = 1) -> RankModelStates:
     """Model-state bytes of the rank at (`stage`, `dp_rank`) of layout tp x pp x dp; with context
     parallelism pass dp = d·c (ZeRO partitions over the d·c data-parallel ranks) and a dp_rank in it.
     With `schedule` "interleaved" (`virtual` chunks per rank) or "dualpipev" `stage` is the pipeline rank,
     which holds several stages (`rank_parameter_numels`).
     With LoRA (`shape.lora_rank` > 0) the accounting applies to the rank's adapters and the frozen base adds its
-    compute-dtype bytes (`lora_model_states`); a mixture-of-experts shape or `pipeline_zero2` raises ConfigError."""
-    numels = rank_parameter_numels(shape, tp, pp, stage, schedule, virtual)
+    compute-dtype bytes (`lora_model_states`; LoRA on a mixture-of-experts shape or with `pipeline_zero2` raises
+    ConfigError). A mixture-of-experts model (`ep` expert-parallel ranks, e | dp): `moe_model_states`."""
+    numels = rank_parameter_numels(shape, tp, pp, stage, schedule, virtual, ep)
     if shape.lora_rank:
         check_lora(shape.is_moe, pipeline_zero2)
         adapters = model_states_from_numels(rank_adapter_numels(shape, tp, pp, stage, schedule, virtual), dp, zero,
                                             precision, pp, dp_rank, gas, reduce_bucket_size)
         return lora_model_states(adapters, sum(numels), precision)
+    if shape.is_moe:
+        return moe_model_states(numels, rank_expert_numels(shape, tp, pp, stage, schedule, virtual, ep), dp, ep,
+                                zero, precision, pp, dp_rank, gas, reduce_bucket_size)
     holds_tied = shape.tie_word_embeddings and pp > 1 and stage in (0, pp - 1)  # 1F1B: pipeline_zero2's schedule
     tied = padded_vocab_size(shape.vocab_size, tp, shape.vocab_pad_multiple) // tp * shape.hidden_size
     return model_states_from_numels(numels, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size,
                                     pipeline_zero2, deferred_fraction, tied if holds_tied else 0)
 
 
+def moe_model_states(numels: list[int], expert_numels: list[int], dp: int, ep: int, zero: int, precision: str,
+                     pp: int, dp_rank: int = 0, gas: int = 1,
+                     reduce_bucket_size: int = DEFAULT_REDUCE_BUCKET) -> RankModelStates:
+    """A mixture-of-experts rank: DeepSpeed's optimizers keep two parameter groups
+    (`split_params_into_different_moe_groups_for_optimizer`), the dense tensors partitioned over the dp ranks and
+    the routed experts (`expert_numels`, a sub-multiset of `numels`) over the dp/e ranks of their
+    expert-data-parallel group, each with its own flat buffers, padding and step counter; the gradient bucket is
+    one for both (counted once)."""
+    dense = list(numels)
+    for numel in expert_numels:
+        dense.remove(numel)
+    groups = [model_states_from_numels(dense, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size)]
+    if not expert_numels:
+        return groups[0]
+    # EP groups are runs of e consecutive data-parallel ranks, an expert-data-parallel group one rank of each run
+    groups.append(model_states_from_numels(expert_numels, dp // ep, zero, precision, pp, dp_rank // ep, gas,
+                                           reduce_bucket_size))
+    wrapper = groups[0].wrapper
+    # DeepSpeedZeroOptimizer's one reduction bucket (lp·B in each group's boundary gradients above)
+    shared_bucket = compute_bytes(precision) * reduce_bucket_size if wrapper == ZERO_OPT else 0
+    boundary = _sum_states([g.boundary for g in groups], shared_bucket)
+    if wrapper != ZERO_OPT:
+        return RankModelStates(boundary, _sum_states([g.step for g in groups], 0), wrapper)
+    # DeepSpeedZeroOptimizer.step steps its groups one at a time, dense first: while group i steps with its fp32
+    # gradient partition, the groups after it still hold their reduced gradients and the groups before it none
+    lp = compute_bytes(precision)
+    if precision != "bf16+fp32acc":
+        # The reduced gradients of the parameters overlapping each group's partition share one storage
+        # (ZeRO-2: `grads_in_partition`; ZeRO-1 the same, measured), freed only once the last group's are
+        whole = [sum(n[i] for i in params_in_partition(n, g.step.master // 4, r))
+                 for n, g, r in ((dense, groups[0], dp_rank), (expert_numels, groups[1], dp_rank // ep))]
+        pending = [lp * sum(whole), 0]
+    else:  # fp32 accumulation: each group's own partitions, less the emptied bucket
+        pending = [groups[1].boundary.grads - lp * reduce_bucket_size, 0]
+    steps = [ModelStates(boundary.params, g.step.grads + held, boundary.master, boundary.optim_states)
+             for g, held in zip(groups, pending)]
+    return RankModelStates(boundary, max(steps, key=lambda states: states.total), wrapper)
+
+
+def _sum_states(states: list[ModelStates], shared: int) -> ModelStates:
+    """Bytes of several parameter groups together, `shared` gradient bytes counted in each once."""
+    return ModelStates(sum(s.params for s in states), sum(s.grads for s in states) - shared * (len(states) - 1),
+                       sum(s.master for s in states), sum(s.optim_states for s in states))
+
+
 @lru_cache(maxsize=4096)
 def _peak_states(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, rank: int, gas: int,
-                 bucket: int, pipeline_zero2: bool, schedule: str, v: int) -> int:
+                 bucket: int, pipeline_zero2: bool, schedule: str, v: int, ep: int = 1) -> int:
     """Peak model-state bytes of pipeline rank `rank` over the ZeRO group of nd ranks: its first DP rank and,
     with ZeRO-2 (whose gradient partition G depends on the DP rank), its last."""
     dp_ranks = {0, nd - 1} if zero == 2 else {0}
     return max(rank_model_states(shape, tp, pp, nd, zero, precision, rank, r, gas, bucket, pipeline_zero2,
-                                 schedule=schedule, virtual=v).peak.total for r in dp_ranks)
+                                 schedule=schedule, virtual=v, ep=ep).peak.total for r in dp_ranks)
 
 
 def worst_rank_bytes(shape: LlamaShape, tp: int, pp: int, nd: int, zero: int, precision: str, checkpointing: bool,
                      b: int, s: int, gas: int, bucket: int = DEFAULT_REDUCE_BUCKET, sp: bool = False, cp: int = 1,
                      pipeline_zero2: bool = False, schedule: str = "1f1b", v: int = 1, comm: str = "a2a",
-                     cp_a2a: int = 1) -> tuple[float, float]:
+                     cp_a2a: int = 1, ep: int = 1) -> tuple[float, float]:
     """(model states, activations) bytes of the pipeline rank whose sum is the largest, ZeRO over nd = d·c
     ranks, the rank's stages and in-flight passes those of `schedule` (v chunks per rank when interleaved), CP's
-    attention by `comm` (context_parallel_comm; `cp_a2a` its context_parallel_a2a_size with "a2a+p2p")."""
+    attention by `comm` (context_parallel_comm; `cp_a2a` its context_parallel_a2a_size with "a2a+p2p"), E/`ep`
+    experts per MoE block."""
     states = acts = 0.0
     for rank in range(pp):
-        rank_states = _peak_states(shape, tp, pp, nd, zero, precision, rank, gas, bucket, pipeline_zero2, schedule, v)
+        rank_states = _peak_states(shape, tp, pp, nd, zero, precision, rank, gas, bucket, pipeline_zero2, schedule, v,
+                                   ep)
         rank_acts = activation_bytes(shape, b, s, tp, pp, rank, gas, checkpointing=checkpointing,
                                      sequence_parallel=sp, cp=cp, schedule=schedule, virtual=v, comm=comm,
                                      cp_a2a=cp_a2a, lp=compute_bytes(precision))

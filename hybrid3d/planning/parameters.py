@@ -51,15 +51,15 @@ def stage_parameter_numels(shape: LlamaShape, t: int, pp: int, stage: int) -> li
 
 
 def rank_parameter_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedule: str = "1f1b",
-                          v: int = 1) -> list[int]:
+                          v: int = 1, ep: int = 1) -> list[int]:
     """Sizes of the parameters one TP rank of pipeline rank `rank` holds under `schedule`, in
     `module.parameters()` order: the layers of its stages (`rank_stages`; v·p stages when interleaved,
     2p for DualPipeV, so DualPipeV's rank 0 holds the embedding and the head) in the order it builds them.
 
     A tied embedding lives in `tied_modules` (registered before the layers) on the rank of the first stage
     and, as the head's copy, on that of the last; a rank holding both (p = 1, DualPipeV's rank 0) shares
-    one module."""
-    local = _rank_specs(layer_parameter_numels(shape, t), shape, pp, rank, schedule, v)
+    one module. `ep`: expert parallelism, E/e experts per MoE block."""
+    local = _rank_specs(layer_parameter_numels(shape, t, ep), shape, pp, rank, schedule, v)
     tied = shape.tie_word_embeddings
     first = [n for kind, sizes in local if tied and kind in ("Embedding", "TiedEmbedding") for n in sizes][:1]
     rest = [n for kind, sizes in local if not (tied and kind in ("Embedding", "TiedEmbedding")) for n in sizes]
@@ -70,6 +70,20 @@ def _rank_specs(specs: list, shape: LlamaShape, pp: int, rank: int, schedule: st
     """The entries of `specs` (one per pipeline layer spec) that pipeline rank `rank` builds, in its order."""
     bounds = stage_bounds(shape, num_stages(schedule, pp, v))
     return [spec for stage in rank_stages(schedule, pp, rank, v) for spec in specs[bounds[stage]:bounds[stage + 1]]]
+
+
+def rank_expert_numels(shape: LlamaShape, t: int, pp: int, rank: int, schedule: str = "1f1b", v: int = 1,
+                       ep: int = 1) -> list[int]:
+    """Sizes of the routed experts' tensors among `rank_parameter_numels` (gate, up, down of each of the E/e experts
+    of each MoE block the rank holds): DeepSpeed's expert parameter group, which ZeRO partitions over the
+    expert-data-parallel group instead of the data-parallel one (`training/trainer.py`). Empty for a dense model."""
+    if not shape.is_moe:
+        return []
+    f, h = shape.expert_intermediate_size // t, shape.hidden_size
+    bounds = stage_bounds(shape, num_stages(schedule, pp, v))
+    blocks = sum(1 for stage in rank_stages(schedule, pp, rank, v) for i in range(bounds[stage], bounds[stage + 1])
+                 if 1 <= i <= shape.num_layers and shape.is_moe_layer(i - 1))
+    return [f * h, f * h, h * f] * (shape.num_experts // ep) * blocks
 
 
 def block_adapter_numels(shape: LlamaShape, t: int) -> list[int]:

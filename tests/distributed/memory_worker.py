@@ -18,17 +18,20 @@ SHAPES = {
     "mqa": dict(vocab_size=203, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=1,
                 head_dim=16),
 }
+# Mixture of experts: 6 experts of 48 (3 per rank at EP2) beside a dense first block of 128: DeepSpeed's expert
+# parameter group, partitioned over the expert-data-parallel ranks
+SHAPES["moe"] = dict(SHAPES["gqa"], model_type="qwen3_moe", qk_norm=True, num_experts=6, experts_per_token=3, moe_intermediate_size=48, dense_layers=(0,))
 MICRO_BATCH, SEQ, GAS, BUCKET = 2, 16, 2, 20000
 
 
-def ds_config(tp: int, pp: int, dp: int, zero: int, precision: str) -> dict:
+def ds_config(tp: int, pp: int, dp: int, zero: int, precision: str, ep: int = 1) -> dict:
     config = {
         "train_batch_size": MICRO_BATCH * GAS * dp,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
         "zero_optimization": {"stage": zero, "reduce_bucket_size": BUCKET, "allgather_bucket_size": BUCKET},
         "steps_per_print": 10**6,
-        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp},
+        "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep},
     }
     if precision != "fp32":
         config["bf16"] = {"enabled": True}
@@ -48,7 +51,7 @@ def measure(run: dict) -> dict:
     shape = LlamaShape(**SHAPES[run["shape"]])
     world = dist.get_world_size()
     dp = world // (run["tp"] * run["pp"])
-    trainer = build_trainer(validate_run(ds_config(run["tp"], run["pp"], dp, run["zero"], run["precision"]), world, shape))
+    trainer = build_trainer(validate_run(ds_config(run["tp"], run["pp"], dp, run["zero"], run["precision"], run["ep"]), world, shape))
     probe = PeakProbe(trainer.engine)
     generator = torch.Generator().manual_seed(0)
 
