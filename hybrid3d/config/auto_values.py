@@ -23,11 +23,12 @@ from hybrid3d.errors import ConfigError
 AUTO = "auto"
 # The hybrid3d section's keys that may be "auto", and the planner's field (planning.planner.Choice) each decides
 HYBRID_KEYS = {"tensor_parallel_size": "tp", "pipeline_parallel_size": "pp", "context_parallel_size": "cp",
-               "sequence_parallel": "sp", "pipeline_schedule": "schedule", "activation_checkpointing": "checkpointing"}
+               "sequence_parallel": "sp", "pipeline_schedule": "schedule", "activation_checkpointing": "checkpointing",
+               "expert_parallel_size": "ep"}
 # DeepSpeed's keys that may be "auto" (dotted: inside zero_optimization), and the field each decides
 DS_KEYS = {"zero_optimization.stage": "zero", "train_micro_batch_size_per_gpu": "micro_batch",
            "gradient_accumulation_steps": "gas"}
-HYBRID_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "sp": False, "schedule": "1f1b"}  # config.sections.HybridSection's
+HYBRID_DEFAULTS = {"tp": 1, "pp": 1, "cp": 1, "sp": False, "schedule": "1f1b", "ep": 1}  # config.sections.HybridSection's
 NO_OFFLOAD = "none"  # the planner's offload kinds: "none", "optimizer", "optimizer+params"
 # (offload_optimizer.device, offload_param.device) -> the offload kind
 OFFLOAD_KINDS = {("cpu", None): "optimizer", ("cpu", "cpu"): "optimizer+params", (None, None): NO_OFFLOAD}
@@ -51,6 +52,7 @@ class Decided(Protocol):
     offload: str
     micro_batch: int
     gas: int
+    ep: int
     precision: str
 
 
@@ -200,7 +202,7 @@ def write_decision(raw: dict, c: Decided, keys: list[str]) -> dict:
 def config_for_row(base: dict, c: Decided, model: dict, seq: int, global_batch: int, zero3: dict,
                    lora: Optional[dict] = None) -> dict:
     """A ready config for planner row `c` (`python -m hybrid3d.plan --write-config`): `base` with every key "auto"
-    decides set from the row, the row's precision (bf16; fp32 gradient accumulation where the row plans it), the
+    decides set from the row, the row's precision (bf16, fp32 gradient accumulation where the row plans it; fp32), the
     model section `model`, `seq` tokens a sequence and `global_batch` sequences a step; `zero3`: the ZeRO-3 knobs
     (ZERO3_KNOB_KEYS' fields) to write for a stage-3 row; `lora`: hybrid3d.lora keys to set."""
     out = write_decision(base, c, [f"{SECTION}.{k}" for k in HYBRID_KEYS] + list(DS_KEYS))
@@ -211,7 +213,7 @@ def config_for_row(base: dict, c: Decided, model: dict, seq: int, global_batch: 
     if c.offload == NO_OFFLOAD:
         for key in ("offload_optimizer", "offload_param"):
             out["zero_optimization"].pop(key, None)
-    out["bf16"] = {**out.get("bf16", {}), "enabled": True}
+    out["bf16"] = {**out.get("bf16", {}), "enabled": c.precision != "fp32"}  # fp32: the rows with experts over ranks
     out.pop("fp16", None)
     types = out.setdefault("data_types", {})
     if c.precision == "bf16+fp32acc":

@@ -59,6 +59,43 @@ PRESETS = {
                             num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
                             max_position_embeddings=32768, rope_theta=10000.0, rms_norm_eps=1e-5, sliding_window=4096,
                             tie_word_embeddings=False, bos_token_id=1, eos_token_id=2),
+    # Mixtures of experts. Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B: 128 experts, top-8 renormalised, every layer
+    # sparse, q/k norms
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+                          moe_intermediate_size=768, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], router_aux_loss_coef=0.001,
+                          max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                          tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    "qwen3-235b-a22b": dict(model_type="qwen3_moe", vocab_size=151936, hidden_size=4096, intermediate_size=12288,
+                            moe_intermediate_size=1536, num_hidden_layers=94, num_attention_heads=64,
+                            num_key_value_heads=4, head_dim=128, num_experts=128, num_experts_per_tok=8,
+                            norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[],
+                            router_aux_loss_coef=0.001, max_position_embeddings=40960, rope_theta=1000000.0,
+                            rms_norm_eps=1e-6, tie_word_embeddings=False, bos_token_id=151643, eos_token_id=151645),
+    # deepseek-ai/DeepSeek-V3: latent attention (q/kv latents 1536/512), 256 routed experts top-8 in 8 groups (4 kept),
+    # one shared expert, 3 dense first layers, yarn x40 over 4096 positions; its multi-token-prediction layer is not
+    # built (as transformers)
+    "deepseek-v3": dict(model_type="deepseek_v3", vocab_size=129280, hidden_size=7168, intermediate_size=18432,
+                        moe_intermediate_size=2048, num_hidden_layers=61, num_attention_heads=128,
+                        num_key_value_heads=128, n_shared_experts=1, n_routed_experts=256, routed_scaling_factor=2.5,
+                        kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64, v_head_dim=128, qk_nope_head_dim=128,
+                        n_group=8, topk_group=4, num_experts_per_tok=8, first_k_dense_replace=3, norm_topk_prob=True,
+                        max_position_embeddings=163840, rms_norm_eps=1e-6, tie_word_embeddings=False,
+                        rope_scaling={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0, "beta_fast": 32.0,
+                                      "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "original_max_position_embeddings": 4096},
+                        bos_token_id=0, eos_token_id=1),
+    # moonshotai/Moonlight-16B-A3B (DeepSeek-V3's architecture): no q latent, 64 experts top-6 in one group, 2 shared
+    # experts, one dense first layer. Sizes as the public Megatron configs of this model give them (its config.json
+    # itself was not readable here)
+    "moonlight-16b-a3b": dict(model_type="deepseek_v3", vocab_size=163840, hidden_size=2048, intermediate_size=11264,
+                              moe_intermediate_size=1408, num_hidden_layers=27, num_attention_heads=16,
+                              num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+                              routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+                              v_head_dim=128, qk_nope_head_dim=128, n_group=1, topk_group=1, num_experts_per_tok=6,
+                              first_k_dense_replace=1, norm_topk_prob=True, max_position_embeddings=8192,
+                              rope_theta=50000.0, rms_norm_eps=1e-5, tie_word_embeddings=False),
 }
 
 

@@ -92,7 +92,8 @@ def choose(rows: list[Choice], budget_gb: float) -> Choice:
 
 def row_label(c: Choice) -> str:
     """One row as the config would say it."""
-    parts = [f"TP{c.tp} PP{c.pp} CP{c.cp} DP{c.dp}", "SP" if c.sp else "", f"ZeRO-{c.zero}",
+    parts = [f"TP{c.tp} PP{c.pp} CP{c.cp} DP{c.dp}" + (f" EP{c.ep}" if c.ep > 1 else ""), "SP" if c.sp else "",
+             f"ZeRO-{c.zero}",
              {NO_OFFLOAD: "", "optimizer": "offload optimizer", "optimizer+params": "offload optimizer+params"}[
                  c.offload], "checkpointing" if c.checkpointing else "",
              f"micro-batch {c.micro_batch} x {c.gas}", "" if c.pp == 1 else c.schedule_label]

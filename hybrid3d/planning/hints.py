@@ -40,10 +40,11 @@ def ranks_to_fit(least, ranks: int, room_gb: float) -> int:
     return ranks * 2 ** max(1, math.ceil(math.log2(least.states_gb / room_gb)))
 
 
-def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> list[str]:
+def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float, moe: bool = False) -> list[str]:
     """When no layout fits: from the option needing the least memory (`least`, a planner Choice), what would
     change that: more GPUs (estimated), a shorter sequence, offload; checkpointing and micro-batch 1 are
-    already among the options tried, so a smaller batch does not help."""
+    already among the options tried, so a smaller batch does not help. `moe`: a mixture of experts at the support
+    table's layouts, which the table's own layouts (more ranks for the experts) would change."""
     if least is None:
         return []
     lines = [least_memory_line(least, gpu_memory_gb, reserve_gb) + ". What would fit:"]
@@ -59,8 +60,12 @@ def no_fit_hints(least, gpus: int, gpu_memory_gb: float, reserve_gb: float) -> l
                      f"{least.activations_gb / least.memory_gb:.0%} of it")
     lines.append("  - activation checkpointing and micro-batch 1 are already among the options tried (a smaller "
                  "--global-batch saves nothing more)")
-    lines.append("  - ZeRO-3 and offload to host memory are among the options tried; NVMe offload (ZeRO-Infinity's "
-                 "offload_param/offload_optimizer device nvme) is not modelled here")
+    if moe:
+        lines.append("  - a mixture of experts runs at the support table's (tp, pp, ep) only, with no ZeRO-3 "
+                     "(config/support.py): --untested-moe-layouts shows what the other layouts would need")
+    else:
+        lines.append("  - ZeRO-3 and offload to host memory are among the options tried; NVMe offload (ZeRO-Infinity's "
+                     "offload_param/offload_optimizer device nvme) is not modelled here")
     return lines
 
 

@@ -26,13 +26,13 @@ BF16_Optimizer keeps the bf16 `.grad` of every parameter besides its flat accumu
 G is the number of elements of the whole parameters that overlap this rank's partition (ZeRO-2
 sizes `grads_in_partition` by whole parameters), so it depends on the DP rank; the buffer exists
 only once a bucket holding one of them has been reduced, and a parameter larger than B bypasses
-the bucket and keeps its `.grad` until the next reduction: `_zero2_boundary_grads` replays the
+the bucket and keeps its `.grad` until the next reduction: `zero2_gradients.zero2_boundary_grads` replays the
 bucketing. Flat buffers are padded to a multiple of 2·Nd elements (`nccl_start_alignment_factor`);
 padding is counted.
 `hybrid3d.pipeline_zero2` (ZeRO-2 inside the 1F1B pipeline) is counted at its worst moment, a bucket
 reduction in the last backward or in the release of the Ψ_def deferred elements
 (`pipeline_zero2_deferred_fraction`, fp32 accumulators): T gradient elements are outside the bucket
-then (`_pipeline_zero2_grads` replays the bucketing).
+then (`zero2_gradients.pipeline_zero2_grads` replays the bucketing).
 Adam's `step` counters are 4 bytes per tensor. All figures are per rank: Ψ is the parameter
 count of one TP rank of one pipeline rank (`rank_parameter_numels`): its stage with 1F1B, its v stages
 r + k·p with the interleaved schedule (as many blocks as 1F1B's stage r, v·p dividing L; embedding on rank
@@ -63,6 +63,7 @@ r/h of a layer's activations.
 """
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -89,6 +90,7 @@ from hybrid3d.planning.parameters import (  # noqa: F401 (re-exported: the memor
     rank_parameter_numels,
     stage_parameter_numels,
 )
+from hybrid3d.planning.zero2_gradients import params_in_partition, pipeline_zero2_grads, zero2_boundary_grads
 
 PRECISIONS = ("fp32", "bf16", "bf16+fp32acc")
 TORCH, UNFUSED, BF16_OPT, ZERO_OPT = "torch", "FP16_UnfusedOptimizer", "BF16_Optimizer", "DeepSpeedZeroOptimizer"
@@ -212,7 +214,7 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     elif precision == "bf16+fp32acc" and pipeline_zero2:
         deferred = set(deferred_indices(numels, deferred_fraction))
         mine = params_in_partition(numels, part, dp_rank)
-        grads = _pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
+        grads = pipeline_zero2_grads(numels, deferred, mine, reduce_bucket_size, part, gas)
         if tied_numel:  # the cross-stage sum, before the deferred gradients are released
             accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
             chunk = min(reduce_bucket_size, TIED_SUM_CHUNK_ELEMENTS, tied_numel)
@@ -220,91 +222,8 @@ def model_states_from_numels(numels: list[int], nd: int, zero: int, precision: s
     elif precision == "bf16+fp32acc":
         grads = 4 * part + bucket
     else:
-        grads = bucket + _zero2_boundary_grads(numels, part, dp_rank, reduce_bucket_size, gas) * lp
+        grads = bucket + zero2_boundary_grads(numels, part, dp_rank, reduce_bucket_size, gas) * lp
     return RankModelStates(ModelStates(lp * psi_a, grads, 4 * part, adam), step, wrapper)
-
-
-def _zero2_boundary_grads(numels: list[int], partition: int, dp_rank: int, bucket: int, gas: int) -> int:
-    """Gradient elements ZeRO-2 holds outside its bucket after the last backward, before its epilogue.
-
-    Replays the bucketing of `reduce_independent_p_g_buckets_and_remove_grads` in backward order
-    (the reverse of the parameters'): a bucket is reduced when the next gradient would overflow it.
-    - `grads_in_partition` (G: whole parameters overlapping this rank's range) exists once a gradient
-      of this rank's partition has been reduced in this backward;
-    - a gradient larger than the bucket bypasses it and waits, as `.grad`, for the next reduction;
-    - with m > 1, `all_grad_tensors` (G) holds the previous micro-batches' sum."""
-    start, end = partition * dp_rank, partition * (dp_rank + 1)
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    mine = {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
-    whole = sum(numels[i] for i in mine)
-    reduced, pending, running = set(), [], 0
-    for i in reversed(range(len(numels))):
-        if running + numels[i] > bucket:
-            reduced.update(pending)
-            pending, running = [], 0
-        pending.append(i)
-        running += numels[i]
-    held = whole if reduced & mine else 0
-    held += sum(numels[i] for i in pending if numels[i] > bucket)
-    return held + (whole if gas > 1 else 0)
-
-
-def params_in_partition(numels: list[int], partition: int, dp_rank: int) -> set[int]:
-    """Indices of the parameters overlapping [dp_rank·P, (dp_rank+1)·P) (`is_param_in_current_partition`)."""
-    start, end = partition * dp_rank, partition * (dp_rank + 1)
-    offsets = [sum(numels[:i]) for i in range(len(numels))]
-    return {i for i, (o, n) in enumerate(zip(offsets, numels)) if start <= o < end or o < start < o + n}
-
-
-def _pipeline_zero2_grads(numels: list[int], deferred: set[int], mine: set[int], bucket: int, partition: int,
-                          gas: int) -> int:
-    """Peak gradient bytes (bf16 weights, fp32 accumulation) of a rank under `hybrid3d.pipeline_zero2`.
-
-    Replays, like `_zero2_boundary_grads`, what `reduce_independent_p_g_buckets_and_remove_grads`
-    holds at each bucket reduction of the last backward (reverse parameter order) and of the release
-    of the deferred gradients (forward order): the 2B bucket, gradients outside it (the one that
-    triggers the reduction, oversized ones waiting as `.grad` for the next reduction and, when they
-    overlap this rank's partition (`mine`), until the epilogue, `stage_1_and_2.py:2179-2182`), the
-    4-byte accumulators of the deferred gradients not yet released, and the 4·P fp32 partition once a
-    reduction has touched `mine`. A deferred gradient triggers reductions but enters the bucket only
-    when released."""
-    accumulators = 4 * sum(numels[i] for i in deferred) if gas > 1 else 0
-    has_partition = gas > 1 and bool(mine - deferred)
-    worst, running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, 0, False
-
-    def held(extra: int) -> int:
-        return 4 * partition * has_partition + 2 * bucket + 2 * (kept + waiting + extra) + accumulators
-
-    def offer(i: int, enters: bool) -> None:
-        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
-        if running + numels[i] > bucket:
-            worst = max(worst, held(numels[i]))
-            has_partition |= bucket_mine
-            running, waiting, kept, waiting_mine, bucket_mine = 0, 0, kept + waiting_mine, 0, False
-        if enters:
-            running += numels[i]
-            bucket_mine |= i in mine
-            if numels[i] > bucket:
-                waiting += numels[i]
-                waiting_mine += numels[i] if i in mine else 0
-
-    def epilogue() -> None:
-        nonlocal worst, running, waiting, waiting_mine, kept, bucket_mine, has_partition
-        worst = max(worst, held(0))
-        has_partition |= bucket_mine
-        running, waiting, waiting_mine, kept, bucket_mine = 0, 0, 0, 0, False
-
-    for i in reversed(range(len(numels))):
-        offer(i, enters=i not in deferred)
-        if i in deferred and gas == 1:
-            accumulators += 4 * numels[i]
-    epilogue()
-    for i in sorted(deferred):
-        accumulators -= 4 * numels[i]
-        offer(i, enters=True)
-    if deferred:
-        epilogue()
-    return max(worst, 4 * partition)
 
 
 def rank_model_states(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, precision: str, stage: int = 0,
@@ -341,9 +260,12 @@ def moe_model_states(numels: list[int], expert_numels: list[int], dp: int, ep: i
     the routed experts (`expert_numels`, a sub-multiset of `numels`) over the dp/e ranks of their
     expert-data-parallel group, each with its own flat buffers, padding and step counter; the gradient bucket is
     one for both (counted once)."""
-    dense = list(numels)
-    for numel in expert_numels:
-        dense.remove(numel)
+    experts, dense = Counter(expert_numels), []
+    for numel in numels:  # numels less the experts' sizes, each taken at its first occurrence
+        if experts[numel]:
+            experts[numel] -= 1
+        else:
+            dense.append(numel)
     groups = [model_states_from_numels(dense, dp, zero, precision, pp, dp_rank, gas, reduce_bucket_size)]
     if not expert_numels:
         return groups[0]

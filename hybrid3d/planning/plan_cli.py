@@ -101,6 +101,9 @@ def main(argv=None) -> int:
                         help="LoRA adapters of this rank, the base frozen (default 0: full fine-tuning)")
     parser.add_argument("--lora-targets", type=lora_targets, default=None,
                         help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
+    parser.add_argument("--untested-moe-layouts", action="store_true",
+                        help="a mixture of experts also at the (tp, pp, ep) the support table does not run yet, in "
+                             "bf16: what their memory and step time would be (not configs a run accepts)")
     parser.add_argument("--write-config", metavar="OUT.json", default=None,
                         help="write the chosen row (the fastest, or within 5%% of it the one with the most headroom, "
                              "as \"auto\" chooses) as a ready DeepSpeed config")
@@ -119,6 +122,9 @@ def main(argv=None) -> int:
         parser.error("--max-seq-length needs --longest-sequence")
     if args.lora_targets is not None and not args.lora_rank:
         parser.error("--lora-targets needs --lora-rank")
+    if args.untested_moe_layouts and (args.write_config is not None or args.longest_sequence):
+        parser.error("--untested-moe-layouts plans layouts a run refuses: not with --write-config or "
+                     "--longest-sequence")
     try:
         gpu = gpu_model(args.gpu or DEFAULT_GPU)
     except ConfigError as e:
@@ -158,13 +164,17 @@ def main(argv=None) -> int:
     least = []
     feasible, refused = plan(shape, cluster, seq, args.global_batch, args.reduce_bucket_size,
                              sequence_parallel=True, context_parallel=True, schedules=True, least=least,
-                             async_checkpoint=args.async_checkpoint, zero3=_zero3_knobs(args))
+                             async_checkpoint=args.async_checkpoint, zero3=_zero3_knobs(args),
+                             untested_experts=args.untested_moe_layouts)
     print(f"{args.model}: {args.gpus} x {args.gpu_memory:g} GB, seq {seq}, "
           f"global batch {args.global_batch} sequences{lora}")
     print(machine)
+    if shape.is_moe:
+        print(moe_line(shape, args.untested_moe_layouts))
     if args.lora_rank:
         print(lora_line(shape))
-    hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve)
+    hints = no_fit_hints(least[0] if least else None, args.gpus, args.gpu_memory, args.reserve,
+                         shape.is_moe and not args.untested_moe_layouts)
     print(format_plan(feasible, refused, args.top, hints))
     if args.write_config is not None:
         if not feasible:
@@ -176,6 +186,19 @@ def main(argv=None) -> int:
             print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
             return 2
     return 0
+
+
+def moe_line(shape: LlamaShape, untested: bool) -> str:
+    """What the table of a mixture of experts holds: its total and active parameters, and which layouts."""
+    from hybrid3d.planning.flops import matmul_parameters
+    from hybrid3d.planning.memory import model_parameters
+
+    active = matmul_parameters(shape) + shape.vocab_size * shape.hidden_size  # with the embedding, as model cards
+    layouts = ("every (tp, pp, ep) the arithmetic allows, in bf16: NOT layouts a run accepts yet (config/support.py)"
+               if untested else "the (tp, pp, ep) the support table runs (config/support.py; "
+               "--untested-moe-layouts shows the others)")
+    return (f"mixture of experts: {model_parameters(shape) / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per "
+            f"token ({shape.num_experts} experts, top-{shape.experts_per_token}); layouts: {layouts}")
 
 
 def _zero3_knobs(args) -> Zero3Knobs:

@@ -6,6 +6,9 @@ SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved
                    "dpv 'dualpipev'; - no pipeline")
 COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ranks; p2p ring attention over them;\n"
                "a2aU+p2p Ulysses over U of them (context_parallel_a2a_size) around a ring over cp/U; - no CP")
+EP_FOOTER = ("ep: hybrid3d.expert_parallel_size: the ranks of the data-parallel group a MoE block's experts spread over "
+             "(E/ep\nexperts a rank, reduced over dp/ep ranks); ep > 1 rows run in fp32 for now (config/ds_checks.py), "
+             "except with --untested-moe-layouts")
 OFFLOAD_LABELS = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+par"}
 OFFLOAD_FOOTER = ("offload: opt zero_optimization.offload_optimizer cpu (fp32 master, its gradient and Adam's moments "
                   "in host memory,\nstepped by DeepSpeedCPUAdam); opt+par also offload_param cpu (ZeRO-3's weight "
@@ -25,11 +28,11 @@ def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] =
     lines = []
     if feasible:
         best = feasible[0].step_seconds
-        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'sp':>3} {'zero':>4} {'offload':>7} {'ckpt':>4} "
+        lines.append(f"{'tp':>3} {'pp':>3} {'cp':>3} {'dp':>4} {'ep':>3} {'sp':>3} {'zero':>4} {'offload':>7} {'ckpt':>4} "
                      f"{'mb':>3} {'gas':>4} {'sched':>6} {'GB/GPU':>7} {'states':>7} {'acts':>6} {'host GB':>7} "
                      f"{'bubble':>6} {'pp comm':>7} {'rel.time':>8}")
         for c in feasible[:top]:
-            lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
+            lines.append(f"{c.tp:>3} {c.pp:>3} {c.cp:>3} {c.dp:>4} {c.ep:>3} {'yes' if c.sp else 'no':>3} {c.zero:>4} "
                          f"{OFFLOAD_LABELS[c.offload]:>7} {'yes' if c.checkpointing else 'no':>4} {c.micro_batch:>3} "
                          f"{c.gas:>4} {c.schedule_label:>6} {c.memory_gb:>7.1f} {c.states_gb:>7.1f} "
                          f"{c.activations_gb:>6.1f} {c.host_gb:>7.1f} {c.bubble:>6.1%} "
@@ -41,6 +44,8 @@ def format_plan(feasible: list, refused: list[str], top: int, hints: list[str] =
         lines.append("not overlapped; pp comm: pipeline traffic's share; bubble: the schedule's idle share of the step")
         lines.append(SCHEDULE_FOOTER)
         lines.append(OFFLOAD_FOOTER)
+        if any(c.ep > 1 for c in feasible):
+            lines.append(EP_FOOTER)
     else:
         lines.append("no layout fits")
         lines += hints

@@ -61,6 +61,7 @@ from hybrid3d.planning.layouts import (  # noqa: F401 (re-exported: the planner'
     cp_label,
     divisors,
     enumerate_layouts,
+    expert_parallel_options,
     layout_refusal,
     sequence_unit,
 )
@@ -98,6 +99,7 @@ class Choice:
     offload: str = NO_OFFLOAD  # zero3_memory.OFFLOAD_CHOICES: what DeepSpeed keeps in host memory
     host_gb: float = 0.0  # host memory per GPU for the offloaded states
     run_precision: Optional[str] = None  # a run's own precision (memory.PRECISIONS); None: the planner's convention
+    ep: int = 1  # hybrid3d.expert_parallel_size: ranks of the data-parallel group a MoE block's experts spread over
 
     @property
     def precision(self) -> str:
@@ -124,16 +126,17 @@ def planned_precision(zero: int, offload: str = NO_OFFLOAD) -> str:
 def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpointing: bool, micro_batch: int,
                 seq: int, gas: int, bucket: int, sp: bool, cp: int, schedule: str = "1f1b", v: int = 1,
                 comm: str = "a2a", cp_a2a: int = 1, offload: str = NO_OFFLOAD,
-                precision: Optional[str] = None, zero3: Zero3Knobs = Zero3Knobs()) -> tuple[float, float, float]:
+                precision: Optional[str] = None, zero3: Zero3Knobs = Zero3Knobs(),
+                ep: int = 1) -> tuple[float, float, float]:
     """(device model states, activations, host bytes) of the worst rank at `precision` (None: the planned one), ZeRO
-    over the d·c ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2), or for ZeRO-3 and offload
-    `offload_plan.worst_rank_placed`."""
+    over the d·c ranks: `worst_rank_bytes` (ZeRO-2 with p > 1 pipeline_zero2; E/`ep` experts per MoE block), or for
+    ZeRO-3 and offload `offload_plan.worst_rank_placed`."""
     precision = precision or planned_precision(zero, offload)
     if zero == 3 or offload != NO_OFFLOAD:
         return worst_rank_placed(shape, tp, pp, dp * cp, zero, precision, offload, checkpointing, micro_batch, seq,
                                  gas, bucket, sp, cp, schedule, v, comm, cp_a2a, zero3)
     return (*worst_rank_bytes(shape, tp, pp, dp * cp, zero, precision, checkpointing, micro_batch, seq, gas, bucket,
-                              sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a), 0.0)
+                              sp, cp, zero == 2 and pp > 1, schedule, v, comm, cp_a2a, ep), 0.0)
 
 
 def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bool = True) -> list[tuple[str, int]]:
@@ -151,24 +154,25 @@ def evaluate(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero: int, c
              micro_batch: int, seq: int, global_batch: int, bucket: int, sp: bool = False, cp: int = 1,
              schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
              offload: str = NO_OFFLOAD, precision: Optional[str] = None, async_checkpoint: bool = False,
-             zero3: Zero3Knobs = Zero3Knobs()) -> Choice:
-    """One option's memory and step time; `precision`: a run's own (None: `planned_precision`);
+             zero3: Zero3Knobs = Zero3Knobs(), ep: int = 1) -> Choice:
+    """One option's memory and step time; `precision`: a run's own (None: `planned_precision`); `ep`: expert
+    parallelism of a mixture of experts;
     `async_checkpoint`: the host copy of an asynchronous save counts in `host_gb` (planning/checkpoint_copy.py);
     `zero3`: DeepSpeed's stage3_* knobs a ZeRO-3 row runs with (planning/zero3_fetch.py)."""
     dp = cluster.gpus // (tp * pp * cp)
     gas = global_batch // (dp * micro_batch)
     run_precision, precision = precision, precision or planned_precision(zero, offload)
     states, acts, host = _worst_rank(shape, tp, pp, dp, zero, checkpointing, micro_batch, seq, gas, bucket, sp, cp,
-                                     schedule, virtual, comm, cp_a2a, offload, precision, zero3)
+                                     schedule, virtual, comm, cp_a2a, offload, precision, zero3, ep)
     step = estimate_step_time(shape, cluster, tp, pp, dp, zero, micro_batch, gas, seq, precision, checkpointing,
                               sequence_parallel=sp, cp=cp, schedule=schedule, virtual=virtual, comm=comm,
-                              cp_a2a=cp_a2a, offload=offload, zero3=zero3)
+                              cp_a2a=cp_a2a, offload=offload, zero3=zero3, ep=ep)
     memory = states + acts + cluster.reserve_gb * GB
     if async_checkpoint:
         host += async_copy_bytes(shape, tp, pp, dp * cp, zero, precision, schedule, virtual)
     return Choice(tp, pp, dp, zero, checkpointing, micro_batch, gas, states / GB, acts / GB, memory / GB,
                   step.seconds, bubble_fraction(schedule, pp, gas, virtual), step.pipe, sp, cp, schedule, virtual,
-                  comm, cp_a2a, offload, host / GB, run_precision)
+                  comm, cp_a2a, offload, host / GB, run_precision, ep)
 
 
 def _zero_stages(shape: LlamaShape, pp: int, dp: int) -> tuple:
@@ -176,6 +180,23 @@ def _zero_stages(shape: LlamaShape, pp: int, dp: int) -> tuple:
     # pipeline (offload_plan.zero3_allowed)
     stages = (0, 1, 2) if pp == 1 or (dp > 1 and not shape.lora_rank) else (0, 1)
     return stages + ((3,) if zero3_allowed(shape, pp) else ())
+
+
+def layout_rows(shape: LlamaShape, tp: int, pp: int, cp: int, dp: int, precision: Optional[str],
+                untested_experts: bool = False) -> list[tuple]:
+    """(ep, ZeRO stage, precision) of the row groups of a layout: each `_zero_stages` stage at `precision` (a run's
+    own; None: `planned_precision`); for a mixture of experts no pipeline_zero2 (`config.support.check_moe_options`)
+    and each further `expert_parallel_options` e > 1 as `config.ds_checks.check_expert_parallel` allows it: fp32,
+    ZeRO-1, or ZeRO-2 without a pipeline, and none under a run's own bf16 `precision`. `untested_experts`: every e
+    the arithmetic allows, at `precision`, as a question of memory only."""
+    stages = [z for z in _zero_stages(shape, pp, dp * cp) if not (shape.is_moe and z == 2 and pp > 1)]
+    rows = [(1, zero, precision) for zero in stages]
+    for ep in expert_parallel_options(shape, tp, pp, cp, dp, untested_experts)[1:]:
+        if untested_experts:
+            rows += [(ep, zero, precision) for zero in stages if zero in (1, 2)]
+        elif precision in (None, "fp32"):
+            rows += [(ep, zero, "fp32") for zero in stages if zero in (1, 2)]
+    return rows
 
 
 def host_fits(choice: Choice, cluster: Cluster) -> bool:
@@ -195,7 +216,8 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
          sequence_parallel: bool = False, context_parallel: bool = False,
          schedules: bool = False, least: Optional[list] = None, precision: Optional[str] = None,
          accept: Optional[Callable[[Choice], bool]] = None, offload: bool = True,
-         async_checkpoint: bool = False, zero3: Zero3Knobs = Zero3Knobs()) -> tuple[list[Choice], list[str]]:
+         async_checkpoint: bool = False, zero3: Zero3Knobs = Zero3Knobs(),
+         untested_experts: bool = False) -> tuple[list[Choice], list[str]]:
     """(feasible choices best first: per (tp, pp, cp, zero[, schedule]) the fastest that fits; one refusal line
     per (tp, pp, cp[, zero]) that has no feasible option). `sequence_parallel`: also try SP for t > 1;
     `context_parallel`: also enumerate c > 1; `schedules`: also the interleaved and DualPipeV schedules
@@ -204,21 +226,27 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
     A run's "auto" (`planning.auto_layout`): `precision`, its own for every row (None: `planned_precision`);
     `accept`, the options its given keys allow (the others are neither rows nor refusals); `offload`, False where
     offload cannot help (the CPU). `async_checkpoint`: asynchronous saves' host copy counts as host memory.
-    `zero3`: the stage3_* knobs of the ZeRO-3 rows (DeepSpeed's defaults unless given)."""
+    `zero3`: the stage3_* knobs of the ZeRO-3 rows (DeepSpeed's defaults unless given). `untested_experts`: a mixture
+    of experts also at the (t, p, e) the support table does not run yet, in the planned precision (`layout_rows`):
+    what its memory would be, not a layout a run accepts."""
     feasible, refused = [], []
-    for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel):
+    for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel,
+                                                                untested_experts=untested_experts):
         if reason is None and seq % cp:
             reason = f"seq {seq} is not divisible by cp={cp}"
         if reason:
             refused.append(f"{name}: {reason}")
             continue
-        sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 else (False,)
-        for zero in _zero_stages(shape, pp, dp * cp):
+        moe = shape.is_moe  # no SP, other schedules or pipeline_zero2 with experts (config.support.check_moe_options)
+        sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 and not moe else (False,)
+        for ep, zero, row_precision in layout_rows(shape, tp, pp, cp, dp, precision, untested_experts):
+            offloads = offload_options(shape, pp, zero) if offload and ep == 1 else (NO_OFFLOAD,)
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
-                                offload=kind, precision=precision, async_checkpoint=async_checkpoint, zero3=zero3)
+                                offload=kind, precision=row_precision, async_checkpoint=async_checkpoint, zero3=zero3,
+                                ep=ep)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
-                       for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
-                       for kind in (offload_options(shape, pp, zero) if offload else (NO_OFFLOAD,))]
+                       for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules and not moe)
+                       for kind in offloads]
             options = [c for c in options if accept is None or accept(c)]
             if not options:
                 continue
@@ -229,7 +257,8 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             if not fits:
                 smallest = min(options, key=lambda c: c.memory_gb)
                 how = f"at micro-batch {smallest.micro_batch}, checkpointing" + (", SP" if smallest.sp else "")
-                refused.append(_too_big(f"{name} ZeRO-{zero}", smallest, cluster, how))
+                experts = f" EP{ep}" + ("" if untested_experts else f" ({row_precision})") if ep > 1 else ""
+                refused.append(_too_big(f"{name}{experts} ZeRO-{zero}", smallest, cluster, how))
                 if least is not None and (not least or smallest.memory_gb < least[0].memory_gb):
                     least[:] = [smallest]
     feasible.sort(key=lambda c: c.step_seconds)

@@ -34,6 +34,10 @@ Per GPU, for the same global batch (d·b·m sequences; t·p·d·c GPUs):
     dp comm  = logged DP bytes · 2(n-1)/n / inter-node bandwidth (or intra-node when one node holds it; on the
                CPU gloo's bucket bandwidth, `Cluster.dp_gbps`),
                n = d·c: ZeRO and the gradient reduction span DeepSpeed's data-parallel group (CP folded in)
+    ep comm  = logged all-to-all bytes of the experts' dispatch and combine (`traffic.ep_bytes_per_step`) · (e-1)/e
+               / the intra-node bandwidth where an EP group's t·c·e ranks divide a node, else the inter-node one
+               (no rate of its own measured yet); with e > 1 the dp comm term reduces the experts over the d·c/e
+               ranks of their expert-data-parallel group and the dense tensors over d·c
     pp comm  = slots · max over pipeline ranks of one micro-batch's
                [send/recv bytes / link bandwidth + pipeline all-gather bytes · (t - 1) / intra-node bandwidth
                 + its sends, receives and all-gathers · the latency of one]
@@ -87,11 +91,14 @@ from hybrid3d.parallel.pipeline_schedules import ideal_bubble, num_stages
 from hybrid3d.planning.activations import rank_stages, stage_layer_count, ulysses_size, uses_ring
 from hybrid3d.planning.flops import training_flops_per_token
 from hybrid3d.planning.memory import GB, TORCH, UNFUSED, optimizer_wrapper, stage_parameter_numels
+from hybrid3d.planning.parameters import rank_expert_numels, rank_parameter_numels
 from hybrid3d.planning.zero3_fetch import Zero3Knobs, zero3_step_traffic
 from hybrid3d.planning.traffic import (
     cp_bytes_per_step,
     cp_messages_per_step,
     dp_bytes_per_step,
+    ep_bytes_per_step,
+    group_dp_bytes,
     pp_boundary_bytes,
     pp_gather_bytes_per_step,
     pp_gathers_per_micro_batch,
@@ -178,10 +185,12 @@ class StepTime:
     cp: float = 0.0  # Ulysses all-to-alls and the ring's sends
     optimizer: float = 0.0  # the optimizer step's memory traffic
     framework: float = 0.0  # per-micro-batch work beyond the FLOPs (Python, autograd, hooks)
+    ep: float = 0.0  # the experts' dispatch and combine all-to-alls
 
     @property
     def seconds(self) -> float:
-        return self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp + self.optimizer + self.framework
+        return (self.compute + self.bubble + self.tp + self.dp + self.pipe + self.cp + self.optimizer + self.framework
+                + self.ep)
 
 
 @lru_cache(maxsize=256)
@@ -258,13 +267,19 @@ OPTIMIZER_BYTES = {"fp32": 28, "bf16": 36, "bf16+fp32acc": 36}
 
 def optimizer_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zero_group: int, zero: int,
                       precision: str, schedule: str = "1f1b", virtual: int = 1, offload: str = "none",
-                      gas: int = 1) -> float:
+                      gas: int = 1, ep: int = 1) -> float:
     """The busiest rank's optimizer step: its stages' parameters (1/zero_group of them where the wrapper shards
-    the master, `memory.optimizer_wrapper`; ZeRO-3 does) · OPTIMIZER_BYTES / memory bandwidth, or with `offload`
-    on the host, with the transfers over the host link (module docstring)."""
+    the master, `memory.optimizer_wrapper`; ZeRO-3 does; a mixture of experts' E/e experts per block 1/(zero_group/e)
+    of them) · OPTIMIZER_BYTES / memory bandwidth, or with `offload` on the host, with the transfers over the host
+    link (module docstring)."""
     sharded = zero == 3 or optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)
     share = zero_group if sharded else 1
-    numel = _worst_rank(lambda S, st: sum(stage_parameter_numels(shape, tp, S, st)) / share, schedule, pp, virtual)
+
+    def stepped(stages: int, stage: int) -> float:
+        dense, experts = expert_split(shape, tp, stages, stage, ep)
+        return dense / share + experts / max(1, share // ep)
+
+    numel = _worst_rank(stepped, schedule, pp, virtual)
     if offload == "none":
         return numel * OPTIMIZER_BYTES[precision] / (cluster.memory_gbps * GB)
     lp = 4 if precision == "fp32" else 2
@@ -272,12 +287,21 @@ def optimizer_seconds(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, zer
     return numel / (cluster.host_adam_gelems * 1e9) + transfers / (cluster.pcie_gbps * GB)
 
 
+@lru_cache(maxsize=4096)
+def expert_split(shape: LlamaShape, tp: int, stages: int, stage: int, ep: int = 1) -> tuple[int, int]:
+    """(dense, routed-expert) parameter elements of one TP rank of `stage` of `stages` with E/e experts per MoE
+    block: DeepSpeed's two parameter groups (`memory.moe_model_states`); (all, 0) for a dense model."""
+    everything = sum(rank_parameter_numels(shape, tp, stages, stage, ep=ep))
+    experts = sum(rank_expert_numels(shape, tp, stages, stage, ep=ep))
+    return everything - experts, experts
+
+
 def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp: int, zero: int,
                        micro_batch: int, gas: int, seq: int, precision: str = "bf16+fp32acc",
                        checkpointing: bool = False, pipe_partitioned: bool = True,
                        grad_partitioned: bool = True, sequence_parallel: bool = False, cp: int = 1,
                        schedule: str = "1f1b", virtual: int = 1, comm: str = "a2a", cp_a2a: int = 1,
-                       offload: str = "none", zero3: Zero3Knobs = Zero3Knobs()) -> StepTime:
+                       offload: str = "none", zero3: Zero3Knobs = Zero3Knobs(), ep: int = 1) -> StepTime:
     """Estimated seconds of one training step (the planner's model, module docstring) of `shape` on
     `cluster` (peak, efficiency, intra/inter-node bandwidth, GPUs per node) with layout tp x pp x dp x cp,
     ZeRO stage `zero`, `micro_batch` sequences of `seq` tokens per micro-batch, `gas` micro-batches per
@@ -288,7 +312,8 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     `sequence_parallel`, context parallelism `cp` by `comm` (context_parallel_comm: "a2a" Ulysses, "p2p" ring
     attention, "a2a+p2p" Ulysses over `cp_a2a` ranks around a ring) and the pipeline `schedule` ("1f1b",
     "interleaved" with `virtual` = v chunks per rank, "dualpipev"); ZeRO-3 (`zero` 3, p = 1, its stage3_* knobs
-    `zero3`) and `offload` (one of "none", "optimizer", "optimizer+params") as the module docstring says.
+    `zero3`) and `offload` (one of "none", "optimizer", "optimizer+params") as the module docstring says; `ep`
+    expert-parallel ranks of a mixture of experts (its all-to-alls, and its experts reduced over d·c/e ranks).
     `.seconds` is the total; it is meant for comparing with measured step times."""
     act_bytes = 4 if precision == "fp32" else 2
     sp, v = sequence_parallel, virtual
@@ -328,9 +353,24 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
                  + traffic.reduce_scatter_bytes * (zero_group - 1) / zero_group)
         dp_seconds = moved / (dp_bandwidth * GB)
         dp_seconds += (traffic.gather_calls + gas) * cluster.latency_us * 1e-6 if zero_group > 1 else 0.0
+    elif shape.is_moe:  # two groups: the dense tensors over the d·c ranks, the experts over d·c/e of them
+        expert_group = zero_group // ep
+
+        def moe_dp(stages: int, stage: int) -> float:
+            dense, experts = expert_split(shape, tp, stages, stage, ep)
+            return sum(group_dp_bytes(numel, n, zero, gas, precision, stages) * 2 * (n - 1) / n
+                       for numel, n in ((dense, zero_group), (experts, expert_group)) if numel)
+
+        dp_seconds = _worst_rank(moe_dp, schedule, pp, v) / (dp_bandwidth * GB)
     else:
         dp_seconds = _worst_rank(lambda S, st: dp_bytes_per_step(shape, tp, S, zero_group, st, zero, gas, precision),
                                 schedule, pp, v) * 2 * (zero_group - 1) / zero_group / (dp_bandwidth * GB)
+    # an EP group is e consecutive data ranks, t·c global ranks apart (parallel/layout.py): inside a node iff its
+    # t·c·e ranks divide one
+    ep_gbps = cluster.intra_node_gbps if cluster.gpus_per_node % (tp * cp * ep) == 0 else cluster.inter_node_gbps
+    ep_seconds = _worst_rank(lambda S, st: ep_bytes_per_step(shape, micro_batch, seq // cp, ep, S, st, gas, act_bytes,
+                                                            checkpointing), schedule, pp, v) * (ep - 1) / ep
+    ep_seconds /= ep_gbps * GB
     pipe = pipe_seconds(shape, cluster, tp, pp, dp, micro_batch, gas, seq, act_bytes, pipe_partitioned,
                         grad_partitioned, sp, schedule, v)
     layers = _worst_rank(lambda S, st: stage_layer_count(shape, S, st), schedule, pp, v)
@@ -339,5 +379,5 @@ def estimate_step_time(shape: LlamaShape, cluster: Cluster, tp: int, pp: int, dp
     framework = gas * layers * per_layer * stretch * (4 / 3 if checkpointing else 1)
     bubble = (compute + framework) * shared_core_bubble(cluster.gpus, cluster.shared_cores,
                                                         pipeline_slots(schedule, pp, gas, v), gas)
-    optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v, offload, gas)
-    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer, framework)
+    optimizer = optimizer_seconds(shape, cluster, tp, pp, zero_group, zero, precision, schedule, v, offload, gas, ep)
+    return StepTime(compute, bubble, tp_seconds, dp_seconds, pipe, cp_seconds, optimizer, framework, ep_seconds)

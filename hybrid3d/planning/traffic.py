@@ -213,7 +213,13 @@ def dp_bytes_per_step(shape: LlamaShape, tp: int, pp: int, dp: int, stage: int, 
     (precision "bf16+fp32acc") the gradients are still reduced in bf16, DeepSpeed's communication dtype
     (measured: tests/distributed/test_sequence_parallel.py). DeepSpeed issues the gradient
     all-reduce also over a group of one rank (dp = 1), where it moves nothing; the all-gather it skips."""
-    psi = sum(stage_parameter_numels(shape, tp, pp, stage))
+    return group_dp_bytes(sum(stage_parameter_numels(shape, tp, pp, stage)), dp, zero, gas, precision, pp)
+
+
+def group_dp_bytes(psi: int, dp: int, zero: int, gas: int, precision: str, pp: int) -> int:
+    """`dp_bytes_per_step` of one parameter group of psi elements reduced over dp ranks (a mixture-of-experts
+    rank reduces its dense tensors over d·c ranks and its experts over the d·c/e of their expert-data-parallel
+    group)."""
     lp = 4 if precision == "fp32" else 2
     reduce = psi * lp * (gas if zero == 2 else 1)
     sharded = optimizer_wrapper(zero, precision, pp) not in (TORCH, UNFUSED)

@@ -38,7 +38,8 @@ def test_published_parameter_counts():
     with pytest.raises(KeyError, match="known: tiny, llama2-7b"):
         preset_config("llama9")
     assert set(PRESETS) == {"tiny", "llama2-7b", "llama3-8b", "llama3.2-1b", "llama3-70b", "qwen2.5-7b", "qwen3-8b",
-                            "mistral-7b-v0.1", "smollm2-135m"}
+                            "mistral-7b-v0.1", "smollm2-135m", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3",
+                            "moonlight-16b-a3b"}
 
 
 def test_hand_counted_tiny_model_per_layout():

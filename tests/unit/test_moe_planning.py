@@ -121,3 +121,94 @@ def test_deepseek_v3_totals_and_active_parameters():
     assert model_parameters(shape) == sum(p.numel() for p in hf.parameters())
     assert model_parameters(shape) == pytest.approx(671e9, rel=1e-3)
     assert matmul_parameters(shape) + config.vocab_size * config.hidden_size == pytest.approx(37e9, rel=2e-2)
+
+
+# The presets against the HF class they configure and the model cards' totals and active counts (Qwen3 technical
+# report Table 1 / the Qwen3 model cards: 30.5B and 3.3B, 235B and 22B; DeepSeek-V3 report §1: 671B and 37B; the
+# Moonlight card: 16B and 3B, rounded). Active: the matmul parameters and the embedding table, as for Mixtral.
+MOE_PRESETS = {"qwen3-30b-a3b": (30.5e9, 3.3e9, 3e-3, 3e-2), "qwen3-235b-a22b": (235e9, 22e9, 3e-3, 2e-2),
+               "deepseek-v3": (671e9, 37e9, 1e-3, 2e-2), "moonlight-16b-a3b": (16e9, 3e9, 3e-3, 4e-2)}
+
+
+@pytest.mark.parametrize("name", MOE_PRESETS)
+def test_moe_presets_are_the_published_models(name):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from hybrid3d.model.presets import preset_config
+
+    total, active, total_rel, active_rel = MOE_PRESETS[name]
+    config = preset_config(name)
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(config)
+    shape = LlamaShape.from_hf(config)
+    assert model_parameters(shape) == sum(p.numel() for p in hf.parameters())
+    assert model_parameters(shape) == pytest.approx(total, rel=total_rel)
+    assert matmul_parameters(shape) + shape.vocab_size * shape.hidden_size == pytest.approx(active, rel=active_rel)
+
+
+def _preset(name: str) -> LlamaShape:
+    from hybrid3d.model.presets import preset_config
+
+    return LlamaShape.from_hf(preset_config(name))
+
+
+def test_expert_weights_are_divided_by_ep():
+    """Qwen3-30B-A3B at TP1 x DP8, fp32 ZeRO-1: a rank holds the dense tensors and E/e experts a block, so its weights
+    shrink by the routed experts' (e-1)/e; ZeRO still partitions its fp32 master and Adam's moments over all 8 ranks
+    (the experts over the 8/e of their expert-data-parallel group), so those stay the same per rank."""
+    from hybrid3d.planning.memory import rank_model_states
+    from hybrid3d.planning.parameters import rank_expert_numels
+
+    shape = _preset("qwen3-30b-a3b")
+    experts = sum(rank_expert_numels(shape, 1, 1, 0))
+    assert experts == 48 * 128 * 3 * 2048 * 768  # every layer's 128 experts of gate, up and down
+    states = {e: rank_model_states(shape, 1, 1, 8, 1, "fp32", ep=e).boundary for e in (1, 2, 8)}
+    total = model_parameters(shape)
+    for e, s in states.items():
+        assert s.params == pytest.approx(4 * (total - experts + experts / e), rel=1e-6), e
+        assert s.master == pytest.approx(4 * total / 8, rel=1e-6), e
+        assert s.optim_states == pytest.approx(8 * total / 8, rel=1e-6), e
+
+
+def test_planner_answers_qwen3_30b_a3b_on_8_h100s():
+    """8 x 80 GB, 4096 tokens, 64 sequences: rows that fit under the support table's layouts (each one checked by the
+    rules a run applies: EP rows in fp32 at ZeRO-1/2, no SP, 1F1B only), and the EP2 rows it tried refused for memory
+    with their need; beyond the support table (the question issue 68 answers) EP8 fits."""
+    from hybrid3d.planning.planner import plan
+    from hybrid3d.planning.step_time import Cluster
+
+    shape = _preset("qwen3-30b-a3b")
+    rows, refused = plan(shape, Cluster(8, 80), 4096, 64, sequence_parallel=True, context_parallel=True,
+                         schedules=True)
+    assert rows and all(r.memory_gb <= 80 and not r.sp and r.schedule == "1f1b" for r in rows)
+    assert all(r.precision == "fp32" and r.zero in (1, 2) for r in rows if r.ep > 1)
+    assert any(" EP2 (fp32) ZeRO-" in line and "needs >=" in line for line in refused)
+    assert any("not a tested mixture-of-experts layout" in line for line in refused)
+    untested, _ = plan(shape, Cluster(8, 80), 4096, 64, untested_experts=True)
+    assert any(r.ep == 8 for r in untested)
+
+
+def test_planner_answers_deepseek_v3_on_256_h100s():
+    """671B parameters on 256 x 80 GB: none of the support table's layouts (t, pp, e <= 2) holds it, and the planner
+    says so for each; with its layouts lifted it finds rows (the bf16 weights alone are 1.34 TB)."""
+    from hybrid3d.planning.planner import plan
+    from hybrid3d.planning.step_time import Cluster
+
+    shape = _preset("deepseek-v3")
+    rows, refused = plan(shape, Cluster(256, 80), 4096, 1024)
+    assert rows == []
+    assert any(line.startswith("TP2 PP2 DP64 ZeRO-1: needs >=") for line in refused)
+    assert any(line.startswith("TP1 PP1 DP256 EP2 (fp32) ZeRO-2: needs >=") for line in refused)
+
+
+def test_an_ep_row_as_a_config():
+    """--write-config of an EP row: expert_parallel_size set, bf16 off (EP > 1 runs in fp32, config/ds_checks.py)."""
+    from hybrid3d.config.auto_values import config_for_row
+    from hybrid3d.planning.planner import Choice
+
+    row = Choice(tp=2, pp=1, dp=4, zero=2, checkpointing=True, micro_batch=1, gas=8, states_gb=1, activations_gb=1,
+                 memory_gb=2, step_seconds=1, bubble=0, pipe_seconds=0, run_precision="fp32", ep=2)
+    config = config_for_row({"bf16": {"enabled": True}}, row, {"preset": "qwen3-30b-a3b"}, 4096, 64, {})
+    assert config["hybrid3d"]["expert_parallel_size"] == 2 and config["hybrid3d"]["tensor_parallel_size"] == 2
+    assert config["bf16"]["enabled"] is False and config["zero_optimization"]["stage"] == 2
