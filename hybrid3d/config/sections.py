@@ -10,6 +10,7 @@ from typing import Any, Optional
 
 from hybrid3d.config.blend_entries import check_blend
 from hybrid3d.errors import ConfigError
+from hybrid3d.model.config import EXPERT_KERNELS
 from hybrid3d.model.pipe import DEFAULT_PARTITION_METHOD, PARTITION_METHODS
 from hybrid3d.model.tp_plan import LORA_MODULES
 
@@ -115,6 +116,10 @@ class HybridSection:
     # Expert capacity (GShard; Switch): null drops nothing (HF Mixtral's results); c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' k assignments and drops the rest (hybrid3d.model.moe.capacity_keep).
     expert_capacity_factor: Optional[float] = None
+    # How a rank's experts run: null (grouped GEMMs, torch.nn.functional.grouped_mm, where torch has them and the
+    # shapes suit, else the loop), "grouped_mm" (refused where it cannot run), "loop" (one GEMM per expert);
+    # model/expert_kernels.py.
+    expert_kernel: Optional[str] = None
     # Aux-loss-free load balancing (DeepSeek-V3 report §2.1.2; Megatron's moe_router_bias_update_rate): once per
     # optimizer step each router's e_score_correction_bias moves by rate · sign(mean − count) of its experts' token
     # counts over the data-parallel ranks (training/expert_bias.py). 0: off. Needs a router with that bias (DeepSeek).
@@ -270,6 +275,9 @@ def parse_hybrid_section(raw: dict) -> HybridSection:
     check_blend(section.data.blend, section.data.path)
     _check_lora(section)
     _check_context_parallel_comm(section)
+    if section.expert_kernel not in EXPERT_KERNELS:
+        raise ConfigError(f"{SECTION}.expert_kernel must be null, 'grouped_mm' or 'loop', "
+                          f"got {section.expert_kernel!r}")
     if section.partition_method not in PARTITION_METHODS:
         raise ConfigError(f"{SECTION}.partition_method must be one of {', '.join(PARTITION_METHODS)}, "
                           f"got {section.partition_method!r}")

@@ -58,6 +58,19 @@ def check_expert_stages(shape: LlamaShape, pp: int, ep: int, stage_bounds: Optio
                               f"layer on every stage (fewer pipeline stages, or expert_parallel_size 1)")
 
 
+def check_expert_kernel(shape: LlamaShape, tp: int, element_bytes: int) -> None:
+    """`hybrid3d.expert_kernel` "grouped_mm" where torch's grouped GEMM cannot run (model/expert_kernels.py: no
+    kernel, or strides it refuses) is refused before the model is built; "auto" then takes the loop."""
+    from hybrid3d.model.expert_kernels import choose_kernel
+
+    if not shape.is_moe:
+        return
+    try:
+        choose_kernel(shape.expert_kernel, shape.hidden_size, shape.expert_intermediate_size // tp, element_bytes)
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def check_expert_bias_update(rate: float, router_score_bias: bool) -> None:
     """Aux-loss-free balancing moves the routers' score correction bias, which only DeepSeek-V3's router has."""
     if rate and not router_score_bias:

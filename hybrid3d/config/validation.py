@@ -25,8 +25,8 @@ from hybrid3d.model.adapters import with_adapters
 from hybrid3d.model.config import LlamaShape
 from hybrid3d.model.peft_adapter import read_adapter_config
 from hybrid3d.model.pipe import check_schedule_stages, run_stage_bounds
-from hybrid3d.config.support import (check_compile, check_expert_bias_update, check_expert_stages, check_experts,
-                                     check_lora, check_moe_options, check_ring_attention, check_zero3)
+from hybrid3d.config.support import (check_compile, check_expert_bias_update, check_expert_kernel, check_expert_stages,
+                                     check_experts, check_lora, check_moe_options, check_ring_attention, check_zero3)
 from hybrid3d.model.tp_plan import check_split
 from hybrid3d.parallel.layout import ParallelLayout
 from hybrid3d.parallel.standalone import launch_hint
@@ -71,6 +71,8 @@ def validate_run(raw: dict, world_size: int, shape: LlamaShape, on_cpu: bool | N
                       document_mask=hybrid.data.document_mask)
     check_zero3(config.zero_stage, shape.is_moe, shape.loss_chunk_tokens, hybrid.compile.enabled)
     check_expert_bias_update(hybrid.expert_bias_update_rate, shape.router_score_bias)
+    half = any(config.ds_config.get(k, {}).get("enabled", False) for k in ("bf16", "fp16"))
+    check_expert_kernel(shape, layout.tp, 2 if half else 4)
     check_schedule_stages(shape, layout.pp, hybrid.pipeline_schedule, hybrid.virtual_pipeline_size)
     if layout.ep > 1 and layout.pp > 1:  # the bounds once the schedule's stages are known to be cuttable
         check_expert_stages(shape, layout.pp, layout.ep, run_stage_bounds(
@@ -92,9 +94,10 @@ def check_single_process(hybrid: HybridSection) -> None:
 
 
 def run_shape(shape: LlamaShape, hybrid: HybridSection) -> LlamaShape:
-    """`shape` as the run builds it: the section's vocabulary padding, loss chunks, expert capacity and adapters."""
+    """`shape` as the run builds it: the section's vocabulary padding, loss chunks, expert kernel and capacity, and
+    adapters."""
     shape = dataclasses.replace(shape, vocab_pad_multiple=hybrid.vocab_pad_multiple,
-                                loss_chunk_tokens=hybrid.loss_chunk_tokens)
+                                loss_chunk_tokens=hybrid.loss_chunk_tokens, expert_kernel=hybrid.expert_kernel)
     if hybrid.expert_capacity_factor is not None:
         shape = dataclasses.replace(shape, expert_capacity_factor=hybrid.expert_capacity_factor)
     return with_lora(shape, hybrid)

@@ -20,6 +20,8 @@ from typing import Optional
 
 from hybrid3d.errors import UnsupportedConfigError
 
+EXPERT_KERNELS = (None, "grouped_mm", "loop")  # LlamaShape.expert_kernel, hybrid3d.expert_kernel (None: choose)
+
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "yarn")
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe", "deepseek_v3")
 # model_type -> the HF class an export names in config.json's `architectures` (AutoModelForCausalLM loads it)
@@ -86,6 +88,9 @@ class LlamaShape:
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
+    # How a rank's experts run (`model/expert_kernels.py`): None (grouped GEMMs where torch has them and the shapes
+    # suit, else the loop), "grouped_mm", or "loop" (one GEMM per expert). Set from hybrid3d.expert_kernel.
+    expert_kernel: Optional[str] = None
     # Per-family attention switches (FAMILY_SWITCHES); `model_type` names the HF class an export writes.
     model_type: str = "llama"
     qkv_bias: bool = False  # q/k/v projections carry biases (Qwen2)
@@ -119,6 +124,9 @@ class LlamaShape:
                                          f"num_local_experts ({self.num_experts})")
         if self.expert_capacity_factor is not None and not self.expert_capacity_factor > 0:
             raise UnsupportedConfigError(f"expert_capacity_factor must be > 0, got {self.expert_capacity_factor}")
+        if self.expert_kernel not in EXPERT_KERNELS:
+            raise UnsupportedConfigError(f"expert_kernel must be null, 'grouped_mm' or 'loop', "
+                                         f"got {self.expert_kernel!r}")
         if self.router_aux_loss_coef < 0:
             raise UnsupportedConfigError(f"router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
         if self.moe_intermediate_size < 0 or self.shared_expert_intermediate_size < 0:

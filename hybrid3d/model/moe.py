@@ -3,8 +3,9 @@
 Each token goes to the k of E SwiGLU experts with the highest router probability; the output is the
 sum of their outputs weighted by those k probabilities renormalised to sum to 1. By default every token is
 processed (no capacity limit, nothing dropped; `hybrid3d.expert_capacity_factor` sets one, `capacity_keep`):
-each expert runs on the tokens routed to it (index_select, then index_add into the output), the order of operations of HF's
-`MixtralSparseMoeBlock`, so fp32 results equal it.
+each expert runs on the tokens routed to it (the assignments sorted by expert once, the rows gathered, run as grouped
+GEMMs or one GEMM per expert (model/expert_kernels.py), then index_add into the output), the order of operations of
+HF's `MixtralSparseMoeBlock`, so fp32 results equal it (the grouped kernel's within an ulp, its docstring says why).
 
 Load balancing (Switch Transformer, Fedus et al. 2022, eqs. 4-6; GShard, Lepikhin et al. 2021, §2.2):
     aux = E · Σ_e f_e · P_e,  f_e = (assignments of tokens to e) / N,  P_e = (Σ router probability of e) / N,
@@ -41,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.expert_kernels import choose_kernel, run_experts, sort_by_expert
 from hybrid3d.parallel.expert_parallel import combine, dispatch
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -229,6 +231,8 @@ class Experts(nn.Module):
         self.tp = tp
         self.ep = ep or ExpertParallelGroup.single()
         self.num_experts = shape.num_experts
+        self.requested_kernel = shape.expert_kernel
+        self.hidden, self.width = shape.hidden_size, shape.expert_intermediate_size // tp.size  # h, f/t
         # (E,) seeds from the layer's stream, the same on every rank whichever experts it holds
         seeds = torch.randint(2**62, (shape.num_experts,), dtype=torch.int64).tolist()
         for e in self.ep.local_experts(shape.num_experts):
@@ -246,26 +250,27 @@ class Experts(nn.Module):
         if keep is not None:
             indices = torch.where(keep, indices, self.num_experts)
         out = torch.zeros_like(x)  # (n, h)
+        kernel = self.kernel(x.dtype)[0]
+        k = indices.shape[1]
         if self.ep.size > 1:
-            self._expert_parallel(x, weights, indices, out)
+            rows, per_expert, plan = dispatch(x, indices, self.num_experts, self.ep)  # (r, h) by local expert
+            y = combine(run_experts(kernel, rows, per_expert, self.children()), plan)  # (n·k, h): plan.order's
+            order = plan.order
+            token = order // k  # (n·k,) the token of each row
         else:
-            # Every expert runs, even on no tokens: its weights then get a zero gradient, as HF's fused
-            # expert tensors do, so optimizers (AdamW's decay and moments) update them alike.
-            for e, expert in self.named_children():
-                token, slot = torch.where(indices == int(e))  # (n_e,) tokens routed to e, and which of their k choices
-                y = expert.partial(x.index_select(0, token)) * weights[token, slot, None]  # (n_e, h), fp32
-                out.index_add_(0, token, y.to(out.dtype))
+            # The assignments sorted by expert (tokens in order within one), as expert-by-expert torch.where gives
+            # them; every expert runs, even on no rows: its weights then get a zero gradient, as HF's fused expert
+            # tensors do, so optimizers (AdamW's decay and moments) update them alike.
+            order, counts = sort_by_expert(indices, self.num_experts)
+            token = order // k  # (r,) the token of each row
+            y = run_experts(kernel, x.index_select(0, token), counts, self.children())  # (r, h)
+        y = y * weights.reshape(-1).index_select(0, order)[:, None]  # fp32
+        out.index_add_(0, token, y.to(out.dtype))  # the same order of additions as expert after expert
         return out
 
-    def _expert_parallel(self, x, weights, indices, out):
-        """Dispatch, run the local experts on their rows, combine; the same products and the same order of
-        additions into `out` as the loop above (expert by expert, tokens in order)."""
-        k = indices.shape[1]
-        rows, per_expert, plan = dispatch(x, indices, self.num_experts, self.ep)  # (r, h) grouped by local expert
-        outputs = [expert.partial(chunk) for expert, chunk in zip(self.children(), rows.split(per_expert))]
-        y = combine(torch.cat(outputs), plan)  # (n·k, h): the output for assignment plan.order[j]
-        y = y * weights.reshape(-1).index_select(0, plan.order)[:, None]  # fp32
-        out.index_add_(0, plan.order // k, y.to(out.dtype))
+    def kernel(self, dtype: torch.dtype) -> tuple[str, str]:
+        """(the kernel this rank's experts run in `dtype`, why): `expert_kernels.choose_kernel`."""
+        return choose_kernel(self.requested_kernel, self.hidden, self.width, torch.finfo(dtype).bits // 8)
 
 
 class SharedExpertGate(nn.Module):

@@ -12,9 +12,10 @@ tokens of the micro-batch, lp the compute dtype's bytes:
   top-k indices 8·n·k; below fp32 the fp32 copies of the input 4·n·h and of the (E, h) weight 4·E·h (at fp32 both
   are the tensors themselves); renormalised 4·n + 4·n·k. What the group-limited choice saves (n_group > 1) is freed
   with it during the forward: no gradient flows through the indices it picks.
-- the routed experts: each of the n·k assignments is a row of its expert: the int64 (token, slot) pair 16, its input
-  lp·h, gate, up, silu(gate) and the down projection's input 4·lp·f_e/t, its fp32 routing weight 4, the expert's
-  output and its weighted copy 2·lp·h: n·k·(20 + lp·(3h + 4·f_e/t)). The per-expert row counts depend on the
+- the routed experts: each of the n·k assignments is a row of its expert: its int64 place in the sort by expert and
+  its token 16, its input lp·h, its fp32 routing weight 4, the expert's output and its weighted copy 2·lp·h, and
+  what the kernel keeps (model/expert_kernels.py): grouped GEMMs gate and up 2·lp·f_e/t, the loop of GEMMs also
+  silu(gate) and the down projection's input, 4·lp·f_e/t: n·k·(20 + lp·(3h + 2·f_e/t)) or n·k·(20 + lp·(3h + 4·f_e/t)). The per-expert row counts depend on the
   routing, their sum does not. With expert
   parallelism a rank's experts run on the rows the all-to-all brings, n·k on average when routing is even (the
   count used here); the all-to-all's own buffers are not counted.
@@ -33,6 +34,7 @@ tokens of the micro-batch, lp the compute dtype's bytes:
 """
 
 from hybrid3d.model.config import LlamaShape
+from hybrid3d.model.expert_kernels import choose_kernel
 from hybrid3d.model.tp_plan import kv_heads_per_rank
 
 
@@ -47,8 +49,9 @@ def router_bytes(shape: LlamaShape, n: int, lp: int) -> float:
 
 def routed_expert_bytes(shape: LlamaShape, n: int, t: int, lp: int) -> float:
     """The n·k rows of the routed experts (module docstring)."""
-    h = shape.hidden_size
-    return n * shape.experts_per_token * (20 + lp * (3 * h + 4 * shape.expert_intermediate_size / t))
+    h, f = shape.hidden_size, shape.expert_intermediate_size
+    kept = 2 if choose_kernel(shape.expert_kernel, h, f // t, lp)[0] == "grouped_mm" else 4  # f/t-wide per row
+    return n * shape.experts_per_token * (20 + lp * (3 * h + kept * f / t))
 
 
 def shared_expert_bytes(shape: LlamaShape, n: int, t: int, lp: int) -> float:

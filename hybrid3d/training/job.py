@@ -23,6 +23,7 @@ from hybrid3d.ds_internals import pipeline_parts, pipeline_stage_layers
 from hybrid3d.ds_internals.shm_buffers import remove_shm_buffers
 from hybrid3d.ds_internals.zero3 import full_numel
 from hybrid3d.errors import ConfigError, NonFiniteError, ReportedError
+from hybrid3d.model.expert_kernels import kernel_line
 from hybrid3d.model.pipe import layer_costs
 from hybrid3d.parallel.attention_blocks import block_kernel
 from hybrid3d.planning.flops import peak_tflops, training_flops_per_token
@@ -82,7 +83,7 @@ def schedule_note(pp: int, hybrid) -> str:
 
 def layout_summary(trainer) -> list[str]:
     """One line per pipeline stage: its layers, their share of the model's training FLOPs (`pipe.layer_costs`,
-    what the "cost" partition method balances) and parameters (per TP rank)."""
+    what the "cost" partition method balances) and parameters (per TP rank); a MoE model's experts' kernel."""
     module = trainer.module
     ranges = pipeline_stage_layers(module) if trainer.uses_pipeline else [(0, len(module.layers) - 1)]
     layers = " and ".join(f"{first}-{last}" for first, last in ranges)  # DualPipeV: stages r and 2p-1-r
@@ -103,7 +104,7 @@ def layout_summary(trainer) -> list[str]:
                      f"{r0['params'] / 1e6:.2f}M params per TP rank ({sum(r['params'] for r in ranks) / 1e6:.2f}M "
                      f"in the stage)" + (f", {r0['trained'] / 1e6:.2f}M of them LoRA adapters trained per TP rank"
                                          if r0["trained"] < r0["params"] else ""))
-    return lines
+    return lines + [kernel_line(trainer.shape, trainer.layout.tp, next(module.parameters()).dtype)] * trainer.shape.is_moe
 
 
 def sequence_split(layout, seq: int, device_type: str = "cpu") -> str:

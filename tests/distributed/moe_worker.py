@@ -107,7 +107,8 @@ def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overr
     return {"losses": losses, "norms": norms, "weights": weights, "aux": aux, "expert_load": loads}
 
 
-def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, **extra) -> dict:
+def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, kernel=None,
+              **extra) -> dict:
     return {**extra,
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
@@ -117,7 +118,8 @@ def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: fl
         "steps_per_print": 10**6,
         "comms_logger": {"enabled": True, "prof_all": False},  # switched on for the last step (`run_one`)
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
-                     "expert_capacity_factor": capacity, "expert_bias_update_rate": bias_rate},
+                     "expert_capacity_factor": capacity, "expert_bias_update_rate": bias_rate,
+                     "expert_kernel": kernel},
     }
 
 
@@ -138,7 +140,7 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     def build():
         config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), run.get("bias_rate", 0.0),
-                           **run.get("extra", {}))
+                           run.get("kernel"), **run.get("extra", {}))
         return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 
     trainer = build()
@@ -178,6 +180,7 @@ def run_one(run: dict, model_dir: str) -> dict:
             trainer.module, trainer.shape, trainer.groups.tensor_parallel()).items()},
         "experts": sorted({tuple(int(e) for e, _ in m.named_children()) for m in trainer.module.modules()
                            if isinstance(m, Experts)}),
+        "kernels": sorted({m.kernel(torch.float32)[0] for m in trainer.module.modules() if isinstance(m, Experts)}),
         "has_moe_layers": engine.has_moe_layers,
         "optimizer": type(engine.optimizer).__name__,
         # the expert parameters of each ZeRO group DeepSpeed partitions over expert data parallelism

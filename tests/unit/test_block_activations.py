@@ -6,6 +6,7 @@ A saved tensor counts if its storage is still alive once the forward has run: wh
 (DeepSeek-V3's group-limited choice, whose indices carry no gradient) is freed during the forward, and a storage
 freed there may be reused by a later one, which a count by address alone would merge with it."""
 
+import dataclasses
 import weakref
 from collections import Counter
 
@@ -92,18 +93,37 @@ def test_each_block_keeps_what_the_model_counts(variant, dtype):
     assert total - ends == sum(modelled)
 
 
+@pytest.mark.parametrize("kernel", ["loop", "grouped_mm"])
+def test_each_expert_kernel_keeps_what_the_model_counts(kernel):
+    """Mixtral's blocks (h 64, f_e 96: strides grouped_mm takes) in bf16 with each kernel of model/expert_kernels.py,
+    to the byte: the grouped kernel keeps gate and up, the loop also silu(gate) and the down projection's input."""
+    shape = dataclasses.replace(LlamaShape.from_hf(hf_config("mixtral", {})), expert_kernel=kernel)
+    torch.manual_seed(0)
+    model = LlamaSequential(shape, TensorParallelGroup.single(), dtype=torch.bfloat16)
+    measured = kept_bytes_per_block(model, torch.randint(0, shape.vocab_size, (B, S)))
+    modelled = [activation_bytes_per_layer(shape, B, S, 1, lp=2, block=i) for i in range(shape.num_layers)]
+    modelled[0] += shared_rope_bytes(shape, S, lp=2)
+    assert [measured[i + 1] for i in range(shape.num_layers)] == modelled
+
+
 def test_moe_terms_scale_with_what_they_count():
     """The expert rows grow with k and f_e, the shared expert with its width, the router with E; a dense block
     of a MoE model counts its own intermediate_size."""
-    config = hf_config("qwen2_moe", {})
-    shape = LlamaShape.from_hf(config)
+    def looped(overrides):  # the loop of GEMMs keeps 4 widths a row, the grouped kernel 2 (checked below)
+        return dataclasses.replace(LlamaShape.from_hf(hf_config("qwen2_moe", overrides)), expert_kernel="loop")
+
+    shape = looped({})
     moe, dense = (activation_bytes_per_layer(shape, B, S, 1, block=i) for i in (1, 0))
     n, h, k, f = B * S, shape.hidden_size, shape.experts_per_token, shape.expert_intermediate_size
-    wider = LlamaShape.from_hf(hf_config("qwen2_moe", dict(moe_intermediate_size=f + 8)))
+    wider = looped(dict(moe_intermediate_size=f + 8))
     assert activation_bytes_per_layer(wider, B, S, 1, block=1) - moe == n * k * 2 * 4 * 8
-    more = LlamaShape.from_hf(hf_config("qwen2_moe", dict(num_experts_per_tok=k + 1)))
+    more = looped(dict(num_experts_per_tok=k + 1))
     assert activation_bytes_per_layer(more, B, S, 1, block=1) - moe == n * (20 + 2 * (3 * h + 4 * f)) + 12 * n
-    dense_wider = LlamaShape.from_hf(hf_config("qwen2_moe", dict(intermediate_size=shape.intermediate_size + 8)))
+    aligned = looped(dict(moe_intermediate_size=48))
+    grouped = dataclasses.replace(aligned, expert_kernel="grouped_mm")
+    assert (activation_bytes_per_layer(aligned, B, S, 1, block=1) - activation_bytes_per_layer(grouped, B, S, 1, block=1)
+            == n * k * 2 * 2 * 48)
+    dense_wider = looped(dict(intermediate_size=shape.intermediate_size + 8))
     assert activation_bytes_per_layer(dense_wider, B, S, 1, block=0) - dense == 4 * 2 * n * 8
     assert activation_bytes_per_layer(dense_wider, B, S, 1, block=1) == moe
     # TP divides the expert and shared widths, not the rows' h
