@@ -88,8 +88,8 @@ class LlamaShape:
     # Expert capacity (GShard/Switch): None drops nothing (HF Mixtral); a factor c caps each expert at
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
-    # How a rank's experts run (`model/expert_kernels.py`): None (grouped GEMMs where torch has them and the shapes
-    # suit, else the loop), "grouped_mm", or "loop" (one GEMM per expert). Set from hybrid3d.expert_kernel.
+    # How a rank's experts run (`model/expert_kernels.py`): "grouped_mm" (grouped GEMMs), "loop" (one GEMM per expert)
+    # or None (the loop, the faster on the CPU). Set from hybrid3d.expert_kernel.
     expert_kernel: Optional[str] = None
     # Per-family attention switches (FAMILY_SWITCHES); `model_type` names the HF class an export writes.
     model_type: str = "llama"

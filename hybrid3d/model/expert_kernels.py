@@ -13,12 +13,14 @@ each expert's, and torch's vectorized CPU loop computes the elements past its la
 path, so where an expert's n_e·f/t elements end inside a vector step those few elements differ in the last bit
 (measured 1.5e-8 in an fp32 output of a 64 x 48 test; none at Qwen3-30B-A3B's 2048 x 768).
 
-`GroupedSwiGLU` runs them through `torch.nn.functional.grouped_mm` (torch >= 2.10; CPU and CUDA kernels) with the
-per-expert weights stacked for the call and not kept: the backward stacks them again, so a layer holds no second
-copy of its experts between its forward and its backward. Its backward is written out (input gradients by grouped
-GEMMs against the weights, weight gradients by grouped GEMMs over the rows; aten's silu_backward) because the
-kernel's own needs a contiguous incoming gradient and 16-byte-aligned strides. `choose_kernel` says which one runs
-and why; "loop" is also the fallback where grouped_mm is missing or refuses the shapes.
+`GroupedSwiGLU` runs them through `torch.nn.functional.grouped_mm` (torch >= 2.10; CPU and CUDA kernels) on the
+rank's expert weights viewed as (E, rows, cols) tensors: `contiguous_experts` lays each layer's experts out in one
+buffer at construction and ZeRO's flat buffers keep that order, so the view costs no copy (`stacked`; a copy,
+made for the call and not kept, where the weights lie otherwise). Its backward is written out (input gradients by grouped
+GEMMs against the weights, weight gradients by one GEMM per expert; aten's silu_backward) because the kernel's own
+needs a contiguous incoming gradient and 16-byte-aligned strides. `choose_kernel` says which one runs
+and why. The default (None) is the loop: on this CPU torch's grouped_mm is one aten::mm per group (profiled) and
+measured slower than the loop (benchmarks/expert_kernels.py); "grouped_mm" is refused where it cannot run.
 """
 
 from typing import NamedTuple, Optional, Sequence
@@ -50,8 +52,12 @@ def grouped_mm_available() -> bool:
 
 
 def choose_kernel(requested: Optional[str], hidden: int, width: int, element_bytes: int) -> tuple[str, str]:
-    """(kernel, why) for `requested` (one of config.EXPERT_KERNELS; None: grouped where it runs) with experts of `hidden` x `width` (f/t) in a
-    dtype of `element_bytes`. Raises ValueError where "grouped_mm" is asked for and cannot run."""
+    """(kernel, why) for `requested` (one of config.EXPERT_KERNELS; None: the loop, the faster where measured) with
+    experts of `hidden` x `width` (f/t) in a dtype of `element_bytes`. Raises ValueError where "grouped_mm" is asked
+    for and cannot run."""
+    if requested is None:
+        return "loop", ("hybrid3d.expert_kernel null: one GEMM per expert, faster than torch's grouped_mm on the CPU "
+                        "(benchmarks/expert_kernels.py); 'grouped_mm' runs grouped GEMMs")
     if requested == "loop":
         return "loop", "hybrid3d.expert_kernel 'loop'"
     if not grouped_mm_available():
@@ -60,11 +66,8 @@ def choose_kernel(requested: Optional[str], hidden: int, width: int, element_byt
         why = (f"grouped_mm needs {ALIGNMENT_BYTES}-byte strides: hidden {hidden} and expert width {width} "
                f"(per TP rank) at {element_bytes} bytes an element are not")
     else:
-        return "grouped_mm", "torch.nn.functional.grouped_mm" + (" (hybrid3d.expert_kernel null: where it runs)"
-                                                                 if requested is None else "")
-    if requested == "grouped_mm":
-        raise ValueError(f"hybrid3d.expert_kernel 'grouped_mm': {why}")
-    return "loop", f"one GEMM per expert: {why}"
+        return "grouped_mm", "hybrid3d.expert_kernel 'grouped_mm': torch.nn.functional.grouped_mm"
+    raise ValueError(f"hybrid3d.expert_kernel 'grouped_mm': {why}")
 
 
 def kernel_line(shape, tp: int, dtype: torch.dtype) -> str:
@@ -79,13 +82,46 @@ def _offsets(counts: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
+def contiguous_experts(experts) -> None:
+    """Move the weights of `experts` (modules with gate_proj, up_proj, down_proj) into one buffer, expert after expert
+    and gate, up, down within one, so that `stacked` views them without a copy (ZeRO's flat buffers keep that
+    order: a layer's experts are consecutive parameters of DeepSpeed's expert group)."""
+    weights = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+    if not weights:
+        return
+    buffer = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
+    offset = 0
+    for w in weights:
+        view = buffer[offset:offset + w.numel()].view_as(w)
+        view.copy_(w.data)
+        w.data = view
+        offset += w.numel()
+
+
+def stacked(weights: Sequence[torch.Tensor], first: int) -> torch.Tensor:
+    """(E, rows, cols) of weights[first::3]: a strided view where the experts' weights lie at equal distances in one
+    storage (`contiguous_experts`), else a stacked copy."""
+    chosen = list(weights[first::3])
+    head = chosen[0]
+    step = weights[3].data_ptr() - weights[0].data_ptr() if len(weights) > 3 else 0
+    element = head.element_size()
+    even = (all(w.is_contiguous() and w.shape == head.shape and w.dtype == head.dtype for w in chosen)
+            and step % element == 0
+            and all(w.untyped_storage().data_ptr() == head.untyped_storage().data_ptr() for w in chosen)
+            and all(w.data_ptr() - head.data_ptr() == i * step for i, w in enumerate(chosen)))
+    if not even or len(chosen) == 1:
+        return torch.stack(chosen)
+    rows, cols = head.shape
+    return head.as_strided((len(chosen), rows, cols), (step // element, cols, 1))
+
+
 class GroupedSwiGLU(torch.autograd.Function):
     """rows (r, h) grouped by expert, `counts` rows each, and the experts' weights gate (f, h), up (f, h),
     down (h, f) of each in turn -> (r, h): every expert's SwiGLU on its rows, as the module docstring says."""
 
     @staticmethod
     def forward(ctx, rows, counts, *weights):
-        gate, up, down = (torch.stack(weights[i::3]) for i in range(3))  # (E, f, h), (E, f, h), (E, h, f)
+        gate, up, down = (stacked(weights, i) for i in range(3))  # (E, f, h), (E, f, h), (E, h, f)
         offs = _offsets(counts, rows.device)
         g = F.grouped_mm(rows, gate.transpose(-2, -1), offs=offs)  # (r, f)
         u = F.grouped_mm(rows, up.transpose(-2, -1), offs=offs)
@@ -97,19 +133,20 @@ class GroupedSwiGLU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         rows, g, u, *weights = ctx.saved_tensors
-        gate, up, down = (torch.stack(weights[i::3]) for i in range(3))
+        gate, up, down = (stacked(weights, i) for i in range(3))
         offs = _offsets(ctx.counts, rows.device)
         grad = grad.contiguous()
         act = F.silu(g)
         hidden = act * u
         grad_hidden = F.grouped_mm(grad, down, offs=offs)  # (r, f)
-        grad_down = F.grouped_mm(grad.t(), hidden, offs=offs)  # (E, h, f)
         grad_g = torch.ops.aten.silu_backward(grad_hidden * u, g)
         grad_u = grad_hidden * act
         grad_rows = F.grouped_mm(grad_g, gate, offs=offs) + F.grouped_mm(grad_u, up, offs=offs)  # (r, h)
-        grad_gate = F.grouped_mm(grad_g.t(), rows, offs=offs)  # (E, f, h)
-        grad_up = F.grouped_mm(grad_u.t(), rows, offs=offs)
-        per_expert = [w for e in range(len(ctx.counts)) for w in (grad_gate[e], grad_up[e], grad_down[e])]
+        # The weight gradients one expert at a time: grouped_mm's K-grouped form (2-D x 2-D) measured 4x slower on
+        # the CPU than these GEMMs, and each expert's gradient is then its own tensor (autograd keeps it as .grad)
+        parts = (grad_g, grad_u, grad, rows, hidden)
+        per_expert = [w for dg, du, dy, x, a in zip(*(t.split(ctx.counts) for t in parts))
+                      for w in (dg.t() @ x, du.t() @ x, dy.t() @ a)]  # (f, h), (f, h), (h, f)
         return (grad_rows, None, *per_expert)
 
 

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybrid3d.model.config import LlamaShape
-from hybrid3d.model.expert_kernels import choose_kernel, run_experts, sort_by_expert
+from hybrid3d.model.expert_kernels import choose_kernel, contiguous_experts, run_experts, sort_by_expert
 from hybrid3d.parallel.expert_parallel import combine, dispatch
 from hybrid3d.parallel.tensor_parallel import (
     ColumnParallelLinear,
@@ -238,6 +238,7 @@ class Experts(nn.Module):
         for e in self.ep.local_experts(shape.num_experts):
             generator = torch.Generator(draw_device()).manual_seed(seeds[e])
             self.add_module(str(e), Expert(shape, tp, device=device, dtype=dtype, generator=generator))
+        contiguous_experts(self.children())  # one buffer: the grouped kernel views it without a copy
         if self.ep.size > 1:
             for param in self.parameters():
                 param.allreduce = False  # deepspeed.moe.utils.is_moe_param

@@ -63,11 +63,11 @@ RUN_DICTS += [dict(name="deepseekv3-EP2-DP2-Z2-bias", tp=1, pp=1, ep=2, zero=2, 
                    ref="deepseek_v3-bias", bias_rate=BIAS_RATE),
               dict(name="deepseekv3-EP2-DP2-Z2-bias-resume", tp=1, pp=1, ep=2, zero=2, world=2,
                    family="deepseek_v3", ref="deepseek_v3-bias", bias_rate=BIAS_RATE, resume_at=3)]
-# The experts as one GEMM each (hybrid3d.expert_kernel "loop"); the other runs take grouped GEMMs (model/
-# expert_kernels.py), which these sizes' strides allow
-RUN_DICTS += [dict(name="EP2-DP2-Z2-loop", tp=1, pp=1, ep=2, zero=2, world=2, kernel="loop"),
-              dict(name="qwen3moe-TP2-EP2-DP2-Z1-loop", tp=2, pp=1, ep=2, zero=1, world=4, family="qwen3_moe",
-                   ref="qwen3_moe", kernel="loop")]
+# The experts as grouped GEMMs (hybrid3d.expert_kernel "grouped_mm", model/expert_kernels.py; these sizes' strides
+# allow it); the other runs take the default, one GEMM per expert
+RUN_DICTS += [dict(name="EP2-DP2-Z2-grouped", tp=1, pp=1, ep=2, zero=2, world=2, kernel="grouped_mm"),
+              dict(name="qwen3moe-TP2-EP2-DP2-Z1-grouped", tp=2, pp=1, ep=2, zero=1, world=4, family="qwen3_moe",
+                   ref="qwen3_moe", kernel="grouped_mm")]
 # Qwen3-MoE's first stage holds its two dense layers only (EP beside it is refused: config/support.py
 # check_expert_stages); Qwen2-MoE's stages each hold a MoE layer, so EP runs beside the pipeline
 RUN_DICTS += [dict(name="qwen3moe-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2, family="qwen3_moe", ref="qwen3_moe"),
@@ -109,7 +109,7 @@ def test_moe_layout_matches_hf_over_five_steps(results, run):
             assert max(abs(r["aux_loss"] - a) for r, a in zip(report["routing"], ref["aux"])) <= TOL
         assert max(abs(x - y) for r, ref_load in zip(report["routing"], ref["expert_load"])
                    for x, y in zip(r["expert_load"], ref_load)) <= TOL
-    assert {k for r in reports for k in r["kernels"]} == {run.get("kernel", "grouped_mm")}
+    assert {k for r in reports for k in r["kernels"]} == {run.get("kernel", "loop")}
     weights = merged_weights(reports)
     assert max_abs(weights, ref["weights"]) <= TOL
     assert min(ref["norms"]) > CLIP  # clipping was active at every step
