@@ -117,7 +117,7 @@ class HybridSection:
     # ceil(c·n·k/E) of a rank's n tokens' k assignments and drops the rest (hybrid3d.model.moe.capacity_keep).
     expert_capacity_factor: Optional[float] = None
     # How a rank's experts run: "grouped_mm" (torch.nn.functional.grouped_mm; refused where it cannot run), "loop"
-    # (one GEMM per expert) or null (the loop, measured the faster on the CPU); model/expert_kernels.py.
+    # (one GEMM per expert) or null (the loop); model/expert_kernels.py.
     expert_kernel: Optional[str] = None
     # Aux-loss-free load balancing (DeepSeek-V3 report §2.1.2; Megatron's moe_router_bias_update_rate): once per
     # optimizer step each router's e_score_correction_bias moves by rate · sign(mean − count) of its experts' token

@@ -89,7 +89,7 @@ class LlamaShape:
     # ceil(c·n·k/E) of a rank's n tokens' assignments (`moe.capacity_keep`). Set from hybrid3d.expert_capacity_factor.
     expert_capacity_factor: Optional[float] = None
     # How a rank's experts run (`model/expert_kernels.py`): "grouped_mm" (grouped GEMMs), "loop" (one GEMM per expert)
-    # or None (the loop, the faster on the CPU). Set from hybrid3d.expert_kernel.
+    # or None (the loop). Set from hybrid3d.expert_kernel.
     expert_kernel: Optional[str] = None
     # Per-family attention switches (FAMILY_SWITCHES); `model_type` names the HF class an export writes.
     model_type: str = "llama"

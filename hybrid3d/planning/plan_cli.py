@@ -102,8 +102,8 @@ def main(argv=None) -> int:
     parser.add_argument("--lora-targets", type=lora_targets, default=None,
                         help=f"with --lora-rank: comma-separated modules (default: all, {','.join(LORA_TARGETS)})")
     parser.add_argument("--untested-moe-layouts", action="store_true",
-                        help="a mixture of experts also at the (tp, pp, ep) the support table does not run yet, in "
-                             "bf16: what their memory and step time would be (not configs a run accepts)")
+                        help="a mixture of experts also at the (tp, pp, ep) the support table does not run yet: "
+                             "what their memory and step time would be (not configs a run accepts)")
     parser.add_argument("--write-config", metavar="OUT.json", default=None,
                         help="write the chosen row (the fastest, or within 5%% of it the one with the most headroom, "
                              "as \"auto\" chooses) as a ready DeepSpeed config")
@@ -194,7 +194,7 @@ def moe_line(shape: LlamaShape, untested: bool) -> str:
     from hybrid3d.planning.memory import model_parameters
 
     active = matmul_parameters(shape) + shape.vocab_size * shape.hidden_size  # with the embedding, as model cards
-    layouts = ("every (tp, pp, ep) the arithmetic allows, in bf16: NOT layouts a run accepts yet (config/support.py)"
+    layouts = ("every (tp, pp, ep) the arithmetic allows: NOT layouts a run accepts yet (config/support.py)"
                if untested else "the (tp, pp, ep) the support table runs (config/support.py; "
                "--untested-moe-layouts shows the others)")
     return (f"mixture of experts: {model_parameters(shape) / 1e9:.2f}B parameters, {active / 1e9:.2f}B active per "

@@ -7,8 +7,7 @@ SCHEDULE_FOOTER = ("sched: hybrid3d.pipeline_schedule: 1f1b; int-v2 'interleaved
 COMM_FOOTER = ("comm: hybrid3d.context_parallel_comm: a2a Ulysses over the cp ranks; p2p ring attention over them;\n"
                "a2aU+p2p Ulysses over U of them (context_parallel_a2a_size) around a ring over cp/U; - no CP")
 EP_FOOTER = ("ep: hybrid3d.expert_parallel_size: the ranks of the data-parallel group a MoE block's experts spread over "
-             "(E/ep\nexperts a rank, reduced over dp/ep ranks); ep > 1 rows run in fp32 for now (config/ds_checks.py), "
-             "except with --untested-moe-layouts")
+             "(E/ep\nexperts a rank, reduced over dp/ep ranks)")
 OFFLOAD_LABELS = {"none": "-", "optimizer": "opt", "optimizer+params": "opt+par"}
 OFFLOAD_FOOTER = ("offload: opt zero_optimization.offload_optimizer cpu (fp32 master, its gradient and Adam's moments "
                   "in host memory,\nstepped by DeepSpeedCPUAdam); opt+par also offload_param cpu (ZeRO-3's weight "

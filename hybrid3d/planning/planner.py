@@ -186,17 +186,11 @@ def layout_rows(shape: LlamaShape, tp: int, pp: int, cp: int, dp: int, precision
                 untested_experts: bool = False) -> list[tuple]:
     """(ep, ZeRO stage, precision) of the row groups of a layout: each `_zero_stages` stage at `precision` (a run's
     own; None: `planned_precision`); for a mixture of experts no pipeline_zero2 (`config.support.check_moe_options`)
-    and each further `expert_parallel_options` e > 1 as `config.ds_checks.check_expert_parallel` allows it: fp32,
-    ZeRO-1, or ZeRO-2 without a pipeline, and none under a run's own bf16 `precision`. `untested_experts`: every e
-    the arithmetic allows, at `precision`, as a question of memory only."""
+    and each further `expert_parallel_options` e > 1 as `config.ds_checks.check_expert_parallel` allows it: ZeRO-1,
+    or ZeRO-2 without a pipeline. `untested_experts`: every e the arithmetic allows, as a question of memory only."""
     stages = [z for z in _zero_stages(shape, pp, dp * cp) if not (shape.is_moe and z == 2 and pp > 1)]
-    rows = [(1, zero, precision) for zero in stages]
-    for ep in expert_parallel_options(shape, tp, pp, cp, dp, untested_experts)[1:]:
-        if untested_experts:
-            rows += [(ep, zero, precision) for zero in stages if zero in (1, 2)]
-        elif precision in (None, "fp32"):
-            rows += [(ep, zero, "fp32") for zero in stages if zero in (1, 2)]
-    return rows
+    return [(ep, zero, precision) for ep in expert_parallel_options(shape, tp, pp, cp, dp, untested_experts)
+            for zero in stages if ep == 1 or zero in (1, 2)]
 
 
 def host_fits(choice: Choice, cluster: Cluster) -> bool:
@@ -257,7 +251,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             if not fits:
                 smallest = min(options, key=lambda c: c.memory_gb)
                 how = f"at micro-batch {smallest.micro_batch}, checkpointing" + (", SP" if smallest.sp else "")
-                experts = f" EP{ep}" + ("" if untested_experts else f" ({row_precision})") if ep > 1 else ""
+                experts = f" EP{ep}" if ep > 1 else ""
                 refused.append(_too_big(f"{name}{experts} ZeRO-{zero}", smallest, cluster, how))
                 if least is not None and (not least or smallest.memory_gb < least[0].memory_gb):
                     least[:] = [smallest]

@@ -108,11 +108,13 @@ def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overr
 
 
 def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, kernel=None,
-              **extra) -> dict:
+              bf16: bool = False, lr: float = ADAMW["lr"], **extra) -> dict:
+    if bf16:  # bf16 weights, fp32 masters and gradient accumulation: the planner's precision for ZeRO-1/2
+        extra = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, **extra}
     return {**extra,
         "train_batch_size": GLOBAL_BATCH,
         "train_micro_batch_size_per_gpu": MICRO_BATCH,
-        "optimizer": {"type": "AdamW", "params": {**ADAMW, "torch_adam": True}},
+        "optimizer": {"type": "AdamW", "params": {**ADAMW, "lr": lr, "torch_adam": True}},
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": zero},
         "steps_per_print": 10**6,
@@ -140,7 +142,8 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     def build():
         config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), run.get("bias_rate", 0.0),
-                           run.get("kernel"), **run.get("extra", {}))
+                           run.get("kernel"), run.get("bf16", False), run.get("lr", ADAMW["lr"]),
+                           **run.get("extra", {}))
         return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 
     trainer = build()
@@ -170,6 +173,12 @@ def run_one(run: dict, model_dir: str) -> dict:
         trainer.save(os.path.join(os.path.dirname(model_dir), f"ckpt-{run['name']}"), tag="final")
     del hf, hf_state
     engine = trainer.engine
+    if run.get("bf16"):  # report the fp32 masters (every rank takes part in each gather)
+        from deepspeed.utils import safe_get_full_fp32_param
+
+        masters = [safe_get_full_fp32_param(p) for p in trainer.module.parameters()]
+        for p, master in zip(trainer.module.parameters(), masters):
+            p.data = master
     report = {
         "losses": losses,
         "norms": norms,
@@ -186,7 +195,7 @@ def run_one(run: dict, model_dir: str) -> dict:
         # the expert parameters of each ZeRO group DeepSpeed partitions over expert data parallelism
         "moe_groups": [len(group) for group, moe in zip(engine.optimizer.bit16_groups,
                                                         getattr(engine.optimizer, "is_moe_param_group", [])) if moe]
-        if run["zero"] else None,
+        if run["zero"] and hasattr(engine.optimizer, "bit16_groups") else None,  # BF16_Optimizer has its own
         "stage": trainer.groups.stage_id,
         "pipe_partitioned": trainer.config.ds_config.get("pipeline", {}).get("pipe_partitioned"),
         "ep_rank": trainer.groups.expert_parallel().rank,

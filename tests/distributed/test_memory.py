@@ -25,6 +25,8 @@ RUNS = [
     ("TP2EP2DP2-Z1-fp32-moe", "moe", 2, 1, 1, "fp32", 2),
     ("EP2DP4-Z1-fp32-moe", "moe", 1, 1, 1, "fp32", 2),
     ("DP4-Z2-fp32acc-moe", "moe", 1, 1, 2, "bf16+fp32acc", 1),
+    ("EP2DP4-Z1-fp32acc-moe", "moe", 1, 1, 1, "bf16+fp32acc", 2),
+    ("EP2DP4-Z2-fp32acc-moe", "moe", 1, 1, 2, "bf16+fp32acc", 2),
 ]
 TOLERANCE = 0.02
 

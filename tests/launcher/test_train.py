@@ -393,7 +393,7 @@ def test_mixtral_with_expert_parallelism_trains_from_hf_and_resumes_exactly(tmp_
     trained = run_job(2, config)
     assert trained.returncode == 0, trained.stdout[-3000:] + trained.stderr[-3000:]
     assert "EP2" in trained.stdout
-    assert "experts: loop (hybrid3d.expert_kernel null: one GEMM per expert" in trained.stdout
+    assert "experts: loop (hybrid3d.expert_kernel null: one GEMM per expert, any shape" in trained.stdout
     metrics = read_metrics(tmp_path / "run")
     for record in metrics:  # the routing fields (their values are checked against HF in tests/distributed/test_moe.py)
         assert record["aux_loss"] > 0 and record["expert_load_max"] >= 1.0

@@ -80,8 +80,8 @@ def test_sort_by_expert_is_expert_by_expert_where():
 
 
 def test_choice_and_refusal():
-    """The default is the loop (the faster on this CPU: benchmarks/expert_kernels.py); grouped_mm where asked for,
-    refused where its 16-byte strides do not hold."""
+    """The default is the loop (any shape; as fast on this CPU: benchmarks/expert_kernels.py); grouped_mm where asked
+    for, refused where its 16-byte strides do not hold."""
     assert choose_kernel(None, 2048, 768, 2)[0] == "loop"
     assert choose_kernel("grouped_mm", 2048, 768, 2)[0] == "grouped_mm"
     assert choose_kernel("loop", 2048, 768, 2)[0] == "loop"

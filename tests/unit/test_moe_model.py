@@ -199,13 +199,14 @@ def test_expert_parallel_config_refusals():
     base = {"train_batch_size": 8, "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
             "hybrid3d": {"expert_parallel_size": 2}}
     assert parse_config(base, 2).ep == 2
+    assert parse_config(dict(base, bf16={"enabled": True}), 2).ep == 2  # bf16: tests/distributed/test_moe.py
     cases = [
         (dict(base, hybrid3d={"expert_parallel_size": 4}), 2, "must divide"),
         (dict(base, zero_optimization={"stage": 0}), 2, "zero_optimization.stage"),
         (dict(base, hybrid3d={"expert_parallel_size": 2, "context_parallel_size": 2}), 4, "context_parallel_size"),
         (dict(base, hybrid3d={"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}), 4,
          "sequence_parallel"),
-        (dict(base, bf16={"enabled": True}), 2, "bf16"),
+        (dict(base, fp16={"enabled": True}), 2, "fp16"),
         (dict(base, hybrid3d={"expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev"},
               train_micro_batch_size_per_gpu=1), 4, "pipeline_schedule"),
     ]
