@@ -6,7 +6,7 @@ that serves each supported combination is training/engines.py's table; the layou
 layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check_schedule_stages`.
 
     feature                     refused with
-    mixture of experts          CP; SP; document masks; a pipeline schedule other than 1F1B; pipeline_zero2;
+    mixture of experts          CP; SP; document masks; the interleaved schedule; pipeline_zero2;
                                 reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS;
                                 with EP under a pipeline, a stage of dense layers only (check_expert_stages)
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
@@ -86,8 +86,9 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
     backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
     checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's engine for MoE stages runs
     one pass (ds_internals/tuple_backward.py), but reentrant checkpointing under it is untested, so a pipeline
-    still checkpoints MoE blocks non-reentrantly. Sequence parallelism, the other schedules and
-    `pipeline_zero2` are untested with experts."""
+    still checkpoints MoE blocks non-reentrantly. DualPipeV runs them with DeepSpeed's engine and its per-tensor
+    backward (tests/distributed/test_moe.py); the interleaved engine passes one tensor between stages
+    (ds_internals/interleaved_pipeline.py). Sequence parallelism and `pipeline_zero2` are untested with experts."""
     if capacity_factor is not None and not (is_moe and capacity_factor > 0):
         raise ConfigError(f"{SECTION}.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
                           "mixture-of-experts model")
@@ -98,9 +99,12 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
     if document_mask:
         raise ConfigError(f"{SECTION}.data.document_mask is untested with a mixture-of-experts model, so refused "
                           "for now")
-    if pp > 1 and (schedule != "1f1b" or pipeline_zero2):
-        raise ConfigError(f"a mixture-of-experts model runs with {SECTION}.pipeline_schedule '1f1b' and without "
-                          f"{SECTION}.pipeline_zero2 only for now")
+    if pp > 1 and pipeline_zero2:
+        raise ConfigError(f"a mixture-of-experts model runs without {SECTION}.pipeline_zero2 for now")
+    if pp > 1 and schedule == "interleaved":
+        raise ConfigError(f"{SECTION}.pipeline_schedule 'interleaved' passes one tensor between stages, and a "
+                          "mixture-of-experts stage passes two (hidden states, router statistics): use '1f1b' or "
+                          "'dualpipev'")
     if pp > 1 and checkpoint_interval and use_reentrant:
         raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
                           "pipeline.activation_checkpoint_interval (reentrant checkpointing of the activation tuple "

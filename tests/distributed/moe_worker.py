@@ -108,7 +108,7 @@ def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overr
 
 
 def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, kernel=None,
-              bf16: bool = False, lr: float = ADAMW["lr"], **extra) -> dict:
+              bf16: bool = False, lr: float = ADAMW["lr"], hybrid=None, **extra) -> dict:
     if bf16:  # bf16 weights, fp32 masters and gradient accumulation: the planner's precision for ZeRO-1/2
         extra = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, **extra}
     return {**extra,
@@ -121,7 +121,7 @@ def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: fl
         "comms_logger": {"enabled": True, "prof_all": False},  # switched on for the last step (`run_one`)
         "hybrid3d": {"tensor_parallel_size": tp, "pipeline_parallel_size": pp, "expert_parallel_size": ep,
                      "expert_capacity_factor": capacity, "expert_bias_update_rate": bias_rate,
-                     "expert_kernel": kernel},
+                     "expert_kernel": kernel, **(hybrid or {})},
     }
 
 
@@ -142,7 +142,7 @@ def run_one(run: dict, model_dir: str) -> dict:
 
     def build():
         config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), run.get("bias_rate", 0.0),
-                           run.get("kernel"), run.get("bf16", False), run.get("lr", ADAMW["lr"]),
+                           run.get("kernel"), run.get("bf16", False), run.get("lr", ADAMW["lr"]), run.get("hybrid"),
                            **run.get("extra", {}))
         return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 

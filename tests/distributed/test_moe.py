@@ -69,6 +69,12 @@ RUN_DICTS += [dict(name="deepseekv3-EP2-DP2-Z2-bias", tp=1, pp=1, ep=2, zero=2, 
 RUN_DICTS += [dict(name="EP2-DP2-Z2-grouped", tp=1, pp=1, ep=2, zero=2, world=2, kernel="grouped_mm"),
               dict(name="qwen3moe-TP2-EP2-DP2-Z1-grouped", tp=2, pp=1, ep=2, zero=1, world=4, family="qwen3_moe",
                    ref="qwen3_moe", kernel="grouped_mm")]
+# DualPipeV (stages r and 3-r over 4 one-layer stages; parallel/pipeline_schedules.py), the router statistics
+# travelling with every chunk's activations
+RUN_DICTS += [dict(name="PP2-dualpipev-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
+                   hybrid={"pipeline_schedule": "dualpipev"}),
+              dict(name="qwen2moe-TP2-PP2-dualpipev-Z1", tp=2, pp=2, ep=1, zero=1, world=4, family="qwen2_moe",
+                   ref="qwen2_moe", hybrid={"pipeline_schedule": "dualpipev"})]
 # bf16 with fp32 masters and accumulation under expert parallelism, against the fp32 run of the same layout
 # (tests/numerics.py): DeepSpeedZeroOptimizer (ZeRO-2) and BF16_Optimizer (ZeRO-1), each with its expert group. The
 # weights compared are the fp32 masters (DeepSpeed's safe_get_full_fp32_param): at this lr five steps move a norm

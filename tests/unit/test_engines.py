@@ -11,7 +11,8 @@ from hybrid3d.training.engines import engine_for
 ROWS = {(False, "1f1b", False, False): "DeepSpeedEngine", (False, "1f1b", False, True): "DeepSpeedEngine",
         (True, "1f1b", False, False): "PipelineEngine", (True, "dualpipev", False, False): "DualPipeVEngine",
         (True, "interleaved", False, False): "InterleavedPipelineEngine",
-        (True, "1f1b", True, False): "ZeRO2PipelineEngine", (True, "1f1b", False, True): "OneBackwardPipelineEngine"}
+        (True, "1f1b", True, False): "ZeRO2PipelineEngine", (True, "1f1b", False, True): "OneBackwardPipelineEngine",
+        (True, "dualpipev", False, True): "DualPipeVEngine"}
 
 
 @pytest.mark.parametrize("pipeline, schedule, zero2, experts",
