@@ -7,7 +7,7 @@ layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check
 
     feature                     refused with
     mixture of experts          CP; SP; document masks; the interleaved schedule; pipeline_zero2;
-                                reentrant checkpointing under a pipeline; a (t, pp, ep) not in TESTED_MOE_LAYOUTS;
+                                reentrant checkpointing under DualPipeV; a (t, pp, ep) not in TESTED_MOE_LAYOUTS;
                                 with EP under a pipeline, a stage of dense layers only (check_expert_stages)
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
     interleaved / DualPipeV     pipeline_zero2
@@ -84,10 +84,10 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
     """The options a mixture-of-experts model runs with, one line for each of the others. The router statistics
     travel between stages as the second tensor of the activation tuple. DeepSpeed's own PipelineEngine ran
     backward once per tensor of that tuple (`pipe/engine.py` `_exec_backward_pass`), which reentrant
-    checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's engine for MoE stages runs
-    one pass (ds_internals/tuple_backward.py), but reentrant checkpointing under it is untested, so a pipeline
-    still checkpoints MoE blocks non-reentrantly. DualPipeV runs them with DeepSpeed's engine and its per-tensor
-    backward (tests/distributed/test_moe.py); the interleaved engine passes one tensor between stages
+    checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's 1F1B engine for MoE stages runs
+    one pass (ds_internals/tuple_backward.py), under which reentrant checkpointing runs (tests/distributed/
+    test_moe.py, PP2 and PP2 x EP2). DualPipeV runs MoE stages with DeepSpeed's engine and its per-tensor backward,
+    so non-reentrantly checkpointed only; the interleaved engine passes one tensor between stages
     (ds_internals/interleaved_pipeline.py). Sequence parallelism and `pipeline_zero2` are untested with experts."""
     if capacity_factor is not None and not (is_moe and capacity_factor > 0):
         raise ConfigError(f"{SECTION}.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
@@ -105,10 +105,10 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
         raise ConfigError(f"{SECTION}.pipeline_schedule 'interleaved' passes one tensor between stages, and a "
                           "mixture-of-experts stage passes two (hidden states, router statistics): use '1f1b' or "
                           "'dualpipev'")
-    if pp > 1 and checkpoint_interval and use_reentrant:
-        raise ConfigError("a mixture-of-experts model under a pipeline needs pipeline.use_reentrant=false with "
-                          "pipeline.activation_checkpoint_interval (reentrant checkpointing of the activation tuple "
-                          "is untested)")
+    if pp > 1 and checkpoint_interval and use_reentrant and schedule != "1f1b":
+        raise ConfigError(f"a mixture-of-experts model under {SECTION}.pipeline_schedule {schedule!r} needs "
+                          "pipeline.use_reentrant=false with pipeline.activation_checkpoint_interval (its engine "
+                          "backpropagates the activation tuple once per tensor, which reentrant checkpointing cannot)")
 
 
 def check_document_mask(hybrid: HybridSection) -> None:

@@ -40,6 +40,12 @@ RUN_DICTS = [dict(name=n, tp=t, pp=p, ep=e, zero=z, world=w) for n, t, p, e, z, 
 # every block checkpointed: the (hidden, router_stats) tuple goes through DeepSpeed's activation checkpointing
 RUN_DICTS.append(dict(name="ckpt-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
                       extra={"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": False}}))
+# reentrant checkpointing under a pipeline: one backward pass per stage (ds_internals/tuple_backward.py), so the
+# recomputation runs once, and with EP its all-to-alls again
+RUN_DICTS += [dict(name="ckpt-reentrant-PP2-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
+                   extra={"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": True}}),
+              dict(name="ckpt-reentrant-PP2-EP2-DP2-Z1", tp=1, pp=2, ep=2, zero=1, world=4,
+                   extra={"pipeline": {"activation_checkpoint_interval": 1, "use_reentrant": True}})]
 # DeepSpeed's reentrant checkpointing without a pipeline: the recomputed blocks run their all-to-alls again
 RUN_DICTS.append(dict(name="ckpt-EP2-DP2-Z1", tp=1, pp=1, ep=2, zero=1, world=2,
                       extra={"pipeline": {"activation_checkpoint_interval": 1}}))
