@@ -6,7 +6,7 @@ that serves each supported combination is training/engines.py's table; the layou
 layers per stage) is model/tp_plan.py's `check_split` and model/pipe.py's `check_schedule_stages`.
 
     feature                     refused with
-    mixture of experts          CP; SP; document masks; the interleaved schedule; pipeline_zero2;
+    mixture of experts          CP; SP; document masks; pipeline_zero2;
                                 reentrant checkpointing under DualPipeV; a (t, pp, ep) not in TESTED_MOE_LAYOUTS;
                                 with EP under a pipeline, a stage of dense layers only (check_expert_stages)
     document masks (pp > 1)     a pipeline schedule other than 1F1B; pipeline_zero2
@@ -87,8 +87,9 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
     checkpointing cannot do (its saved tensors are freed by the first); hybrid3d's 1F1B engine for MoE stages runs
     one pass (ds_internals/tuple_backward.py), under which reentrant checkpointing runs (tests/distributed/
     test_moe.py, PP2 and PP2 x EP2). DualPipeV runs MoE stages with DeepSpeed's engine and its per-tensor backward,
-    so non-reentrantly checkpointed only; the interleaved engine passes one tensor between stages
-    (ds_internals/interleaved_pipeline.py). Sequence parallelism and `pipeline_zero2` are untested with experts."""
+    so non-reentrantly checkpointed only; the interleaved engine passes the tuple between chunks, each chunk's
+    spec its own (ds_internals/interleaved_pipeline.py), with the same per-tensor backward. Sequence parallelism and
+    `pipeline_zero2` are untested with experts."""
     if capacity_factor is not None and not (is_moe and capacity_factor > 0):
         raise ConfigError(f"{SECTION}.expert_capacity_factor ({capacity_factor}) must be > 0 and needs a "
                           "mixture-of-experts model")
@@ -101,11 +102,7 @@ def check_moe_options(is_moe: bool, pp: int, *, sequence_parallel: bool = False,
                           "for now")
     if pp > 1 and pipeline_zero2:
         raise ConfigError(f"a mixture-of-experts model runs without {SECTION}.pipeline_zero2 for now")
-    if pp > 1 and schedule == "interleaved":
-        raise ConfigError(f"{SECTION}.pipeline_schedule 'interleaved' passes one tensor between stages, and a "
-                          "mixture-of-experts stage passes two (hidden states, router statistics): use '1f1b' or "
-                          "'dualpipev'")
-    if pp > 1 and checkpoint_interval and use_reentrant and schedule != "1f1b":
+    if pp > 1 and checkpoint_interval and use_reentrant and schedule != "1f1b":  # per-tensor backward engines
         raise ConfigError(f"a mixture-of-experts model under {SECTION}.pipeline_schedule {schedule!r} needs "
                           "pipeline.use_reentrant=false with pipeline.activation_checkpoint_interval (its engine "
                           "backpropagates the activation tuple once per tensor, which reentrant checkpointing cannot)")

@@ -28,7 +28,8 @@ from deepspeed.runtime.pipe.module import PipelineModule
 
 from hybrid3d.ds_internals import swapped
 
-# The spec of the activation crossing stages travels once: dtype code, ndim, then the sizes (int64).
+# The spec of the activations crossing stages travels once: their count, then per tensor its dtype code, ndim and
+# sizes (int64). A mixture of experts' stages pass two: (hidden states, router statistics).
 _SPEC_LEN = 8
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -43,6 +44,16 @@ def _encode_spec(tensor, device):
 def _decode_spec(spec):
     values = spec.tolist()
     return tuple(values[2:2 + values[1]]), _DTYPES[values[0]]
+
+
+def _tensors(value) -> tuple:
+    """A stage's activations (one tensor, or a tuple of them) as a tuple."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def _as_passed(tensors: tuple):
+    """The tuple back as a stage takes it: one tensor alone, or the tuple."""
+    return tensors[0] if len(tensors) == 1 else tensors
 
 
 class _PostedBatch:
@@ -137,8 +148,10 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._queued = []  # P2POps of the current round
         self._pending = {}  # ("inputs" | "grads", buffer) -> works of the batch that receives it
         self._posted = []  # every posted batch, waited for by the end of the schedule
-        self._recv_spec = None  # (shape, dtype) of the activations between stages, learned once
-        self._spec_sent = False
+        # [(shape, dtype)] of the activations each chunk receives, learned from its first message: chunks may differ
+        # (a MoE model's dense first layers pass the hidden states alone, its MoE layers also the router statistics)
+        self._recv_spec = {}
+        self._spec_sent = set()  # the chunks whose output spec went out
 
     # ---------------------------------------------------------------- stage identity
 
@@ -166,8 +179,8 @@ class InterleavedPipelineEngine(PipelineEngine):
 
     def reset_activation_shape(self):
         super().reset_activation_shape()
-        self._recv_spec = None
-        self._spec_sent = False
+        self._recv_spec = {}
+        self._spec_sent = set()
 
     def _exec_schedule(self, pipe_schedule):
         super()._exec_schedule(pipe_schedule)
@@ -215,36 +228,44 @@ class InterleavedPipelineEngine(PipelineEngine):
         self._queued.append(dist.P2POp(op, tensor, self.grid.stage_to_global(peer_stage)))
 
     def _exec_send_activations(self, buffer_id, chunk, peer):
-        output = self.pipe_buffers["outputs"][buffer_id]
-        assert torch.is_tensor(output), "stages of an interleaved pipeline pass one tensor"
-        if not self._spec_sent:  # a rank sends activations to one neighbour only: one spec per engine
-            dist.send(_encode_spec(output, self.device), self.grid.stage_to_global(peer))
-            self._spec_sent = True
-        self._queue(dist.isend, output, peer)
+        outputs = _tensors(self.pipe_buffers["outputs"][buffer_id])
+        assert all(torch.is_tensor(t) for t in outputs), "stages of an interleaved pipeline pass tensors"
+        if chunk not in self._spec_sent:  # a rank sends activations to one neighbour only: one spec per chunk
+            specs = torch.stack([_encode_spec(t, self.device) for t in outputs]).reshape(-1)
+            dist.send(torch.tensor([len(outputs)], dtype=torch.int64, device=self.device),
+                      self.grid.stage_to_global(peer))
+            dist.send(specs, self.grid.stage_to_global(peer))
+            self._spec_sent.add(chunk)
+        for tensor in outputs:
+            self._queue(dist.isend, tensor, peer)
         if not torch.is_grad_enabled():
             self.pipe_buffers["outputs"][buffer_id] = None
 
     def _exec_recv_activations(self, buffer_id, chunk, peer):
-        if self._recv_spec is None:  # and receives them from one neighbour only
-            spec = torch.zeros(_SPEC_LEN, dtype=torch.int64, device=self.device)
-            dist.recv(spec, self.grid.stage_to_global(peer))
-            self._recv_spec = _decode_spec(spec)
-        shape, dtype = self._recv_spec
-        received = torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
-        self._queue(dist.irecv, received, peer)
-        self.pipe_buffers["inputs"][buffer_id] = received
+        if chunk not in self._recv_spec:  # and receives them from one neighbour only
+            count = torch.zeros(1, dtype=torch.int64, device=self.device)
+            dist.recv(count, self.grid.stage_to_global(peer))
+            specs = torch.zeros(int(count) * _SPEC_LEN, dtype=torch.int64, device=self.device)
+            dist.recv(specs, self.grid.stage_to_global(peer))
+            self._recv_spec[chunk] = [_decode_spec(spec) for spec in specs.reshape(-1, _SPEC_LEN)]
+        received = tuple(torch.empty(shape, dtype=dtype, device=self.device, requires_grad=dtype.is_floating_point)
+                         for shape, dtype in self._recv_spec[chunk])
+        for tensor in received:
+            self._queue(dist.irecv, tensor, peer)
+        self.pipe_buffers["inputs"][buffer_id] = _as_passed(received)
         self._pending[("inputs", buffer_id)] = self._queued
 
     def _exec_send_grads(self, buffer_id, chunk, peer):
-        inputs = self.pipe_buffers["inputs"][buffer_id]
-        assert inputs.grad is not None, f"no input gradient for buffer {buffer_id}"
-        self._queue(dist.isend, inputs.grad, peer)
+        for tensor in _tensors(self.pipe_buffers["inputs"][buffer_id]):
+            assert tensor.grad is not None, f"no input gradient for buffer {buffer_id}"
+            self._queue(dist.isend, tensor.grad, peer)
         self.pipe_buffers["inputs"][buffer_id] = None
 
     def _exec_recv_grads(self, buffer_id, chunk, peer):
-        grad = torch.empty_like(self.pipe_buffers["outputs"][buffer_id])
-        self._queue(dist.irecv, grad, peer)
-        self.pipe_buffers["grads"][buffer_id] = grad
+        grads = tuple(torch.empty_like(t) for t in _tensors(self.pipe_buffers["outputs"][buffer_id]))
+        for grad in grads:
+            self._queue(dist.irecv, grad, peer)
+        self.pipe_buffers["grads"][buffer_id] = _as_passed(grads)
         self._pending[("grads", buffer_id)] = self._queued
 
     def _exec_commit_p2p(self):

@@ -141,12 +141,11 @@ def _worst_rank(shape: LlamaShape, tp: int, pp: int, dp: int, zero: int, checkpo
 
 def schedule_options(shape: LlamaShape, pp: int, gas: int, zero: int, others: bool = True) -> list[tuple[str, int]]:
     """(schedule, v) the config accepts for p = pp, m = gas: 1F1B; with `others`, p > 1 and ZeRO < 2
-    (pipeline_zero2 runs 1F1B only) interleaved with v = 2 when 2p divides L and p divides m (not for a mixture of
-    experts), DualPipeV when m >= 2p and L >= 2p."""
+    (pipeline_zero2 runs 1F1B only) interleaved with v = 2 when 2p divides L and p divides m, DualPipeV when
+    m >= 2p and L >= 2p."""
     options = [("1f1b", 1)]
     if others and pp > 1 and zero < 2:
-        interleaved = shape.num_layers % (2 * pp) == 0 and gas % pp == 0 and not shape.is_moe  # check_moe_options
-        options += [("interleaved", 2)] if interleaved else []
+        options += [("interleaved", 2)] if shape.num_layers % (2 * pp) == 0 and gas % pp == 0 else []
         options += [("dualpipev", 1)] if gas >= 2 * pp and shape.num_layers >= 2 * pp else []
     return options
 
@@ -232,7 +231,7 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
         if reason:
             refused.append(f"{name}: {reason}")
             continue
-        moe = shape.is_moe  # no SP, interleaving or pipeline_zero2 with experts (config.support.check_moe_options)
+        moe = shape.is_moe  # no SP or pipeline_zero2 with experts (config.support.check_moe_options)
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 and not moe else (False,)
         for ep, zero, row_precision in layout_rows(shape, tp, pp, cp, dp, precision, untested_experts):
             offloads = offload_options(shape, pp, zero) if offload and ep == 1 else (NO_OFFLOAD,)

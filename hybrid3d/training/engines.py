@@ -8,6 +8,7 @@
     yes       1f1b         yes             no       ZeRO2PipelineEngine (ds_internals/pipeline_zero2.py)
     yes       1f1b         no              yes      OneBackwardPipelineEngine (ds_internals/tuple_backward.py)
     yes       dualpipev    no              yes      DualPipeVEngine (its own backward of the stage's tuple)
+    yes       interleaved  no              yes      InterleavedPipelineEngine (the tuple between chunks)
 
 Every other combination is refused before anything is built (config/support.py: the support table); `engine_for`
 raises for one that got here anyway, instead of letting one rule silently win over another.
@@ -46,6 +47,7 @@ def engine_for(pipeline: bool, schedule: str, pipeline_zero2_on: bool, experts: 
         ("1f1b", False, True): EngineChoice("OneBackwardPipelineEngine", tuple_backward.initialize),
     }
     table[("dualpipev", False, True)] = table[("dualpipev", False, False)]  # MoE: one per tuple tensor, DeepSpeed's
+    table[("interleaved", False, True)] = table[("interleaved", False, False)]  # MoE: a tuple between stages
     key = (schedule, pipeline_zero2_on, experts)
     if key not in table:
         raise UnsupportedConfigError(f"no engine serves pipeline_schedule {schedule!r} with pipeline_zero2="

@@ -77,7 +77,11 @@ RUN_DICTS += [dict(name="EP2-DP2-Z2-grouped", tp=1, pp=1, ep=2, zero=2, world=2,
                    ref="qwen3_moe", kernel="grouped_mm")]
 # DualPipeV (stages r and 3-r over 4 one-layer stages; parallel/pipeline_schedules.py), the router statistics
 # travelling with every chunk's activations
-RUN_DICTS += [dict(name="PP2-dualpipev-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
+RUN_DICTS += [dict(name="PP2-interleaved-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
+                   hybrid={"pipeline_schedule": "interleaved", "virtual_pipeline_size": 2}),
+              dict(name="qwen3moe-TP2-PP2-interleaved-Z1", tp=2, pp=2, ep=1, zero=1, world=4, family="qwen3_moe",
+                   ref="qwen3_moe", hybrid={"pipeline_schedule": "interleaved", "virtual_pipeline_size": 2}),
+              dict(name="PP2-dualpipev-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
                    hybrid={"pipeline_schedule": "dualpipev"}),
               dict(name="qwen2moe-TP2-PP2-dualpipev-Z1", tp=2, pp=2, ep=1, zero=1, world=4, family="qwen2_moe",
                    ref="qwen2_moe", hybrid={"pipeline_schedule": "dualpipev"})]

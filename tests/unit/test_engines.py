@@ -12,7 +12,7 @@ ROWS = {(False, "1f1b", False, False): "DeepSpeedEngine", (False, "1f1b", False,
         (True, "1f1b", False, False): "PipelineEngine", (True, "dualpipev", False, False): "DualPipeVEngine",
         (True, "interleaved", False, False): "InterleavedPipelineEngine",
         (True, "1f1b", True, False): "ZeRO2PipelineEngine", (True, "1f1b", False, True): "OneBackwardPipelineEngine",
-        (True, "dualpipev", False, True): "DualPipeVEngine"}
+        (True, "dualpipev", False, True): "DualPipeVEngine", (True, "interleaved", False, True): "InterleavedPipelineEngine"}
 
 
 @pytest.mark.parametrize("pipeline, schedule, zero2, experts",

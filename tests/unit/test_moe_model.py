@@ -220,10 +220,10 @@ def test_moe_option_refusals():
     shape = LlamaShape.from_hf(MixtralConfig(**TINY))
     check_moe_options(shape.is_moe, 2, checkpoint_interval=1, use_reentrant=False)
     check_moe_options(shape.is_moe, 1, checkpoint_interval=1)  # no pipeline: LlamaSequential backpropagates the tuple once
-    check_moe_options(shape.is_moe, 2, schedule="dualpipev")  # tests/distributed/test_moe.py
+    for schedule in ("dualpipev", "interleaved"):  # tests/distributed/test_moe.py
+        check_moe_options(shape.is_moe, 2, schedule=schedule)
     check_moe_options(shape.is_moe, 2, checkpoint_interval=1)  # reentrant under 1F1B's one-backward engine
     for pp, options, key in ((2, dict(checkpoint_interval=1, schedule="dualpipev"), "use_reentrant"),
-                             (2, dict(schedule="interleaved"), "pipeline_schedule"),
                              (2, dict(pipeline_zero2=True), "pipeline_zero2"),
                              (1, dict(sequence_parallel=True), "sequence_parallel")):
         with pytest.raises(ConfigError, match=key) as error:
