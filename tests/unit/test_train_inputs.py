@@ -210,7 +210,8 @@ def test_overrides_route_to_the_right_section():
 SHIPPED = {"cpu_demo.json": 4, "zero1_pipeline.json": 4, "zero2_tp_dp.json": 4, "activation_checkpointing.json": 4,
            "bf16_fp32_masters.json": 4, "cpu_long_sequence.json": 4, "gpu_llama2-7b_8gpu.json": 8, "gpu_llama3-8b_64gpu.json": 64,
            "cpu_chat_finetune.json": 4, "cpu_smollm2_chat.json": 6, "cpu_smollm2_lora.json": 6,
-           "gpu_llama3-8b_1gpu_offload.json": 1, "cpu_auto.json": 4, "gpu_llama3-8b_8x24gb.json": 8}
+           "gpu_llama3-8b_1gpu_offload.json": 1, "cpu_auto.json": 4, "gpu_llama3-8b_8x24gb.json": 8,
+           "gpu_qwen3-30b-a3b_8gpu.json": 8}
 
 
 def test_every_shipped_config_is_listed():
@@ -281,7 +282,7 @@ def test_start_up_phases_are_quick_on_every_recipe():
 # (planning/gpus.py)
 RECIPE_CLUSTERS = {"gpu_llama2-7b_8gpu.json": (8, 80, 8, "h100-sxm"), "gpu_llama3-8b_64gpu.json": (64, 80, 8, "h100-sxm"),
                    "gpu_llama3-8b_1gpu_offload.json": (1, 80, 8, "h100-sxm"),
-                   "gpu_llama3-8b_8x24gb.json": (8, 24, 8, "rtx4090")}
+                   "gpu_llama3-8b_8x24gb.json": (8, 24, 8, "rtx4090"), "gpu_qwen3-30b-a3b_8gpu.json": (8, 80, 8, "h100-sxm")}
 
 
 @pytest.mark.parametrize("name", sorted(RECIPE_CLUSTERS))
