@@ -304,8 +304,8 @@ def check_expert_parallel(ds: dict, hybrid: HybridSection) -> None:
     """`expert_parallel_size` (e): the combinations tested against HF, one line for each of the others.
     e divides the data-parallel size d (the expert-parallel groups are e of the d data ranks). ZeRO stage 0
     clips with DeepSpeed's fp32 `clip_grad_norm_`, which averages per-rank norms where the experts' squares
-    must be summed (ds_internals/experts.py); fp16, context and sequence parallelism, DualPipeV and
-    pipeline_zero2 are untested with experts spread over ranks."""
+    must be summed (ds_internals/experts.py); fp16, context and sequence parallelism and pipeline_zero2 are
+    untested with experts spread over ranks."""
     e, key = hybrid.expert_parallel_size, f"{SECTION}.expert_parallel_size"  # e divides d: parallel/layout.py
     if e == 1:
         return
@@ -317,6 +317,5 @@ def check_expert_parallel(ds: dict, hybrid: HybridSection) -> None:
         raise ConfigError(f"{key} > 1 needs zero_optimization.stage 1 or 2 (stage 0's clipping miscounts experts)")
     if ds.get("fp16", {}).get("enabled", False):
         raise ConfigError(f"{key} > 1 runs in fp32 or bf16 (fp16.enabled: its loss scaling is untested with experts)")
-    if hybrid.pipeline_schedule == "dualpipev" or hybrid.pipeline_zero2:
-        raise ConfigError(f"{key} > 1 runs with {SECTION}.pipeline_schedule '1f1b' or 'interleaved' and without "
-                          f"{SECTION}.pipeline_zero2 only for now")
+    if hybrid.pipeline_zero2:
+        raise ConfigError(f"{key} > 1 runs without {SECTION}.pipeline_zero2 only for now")

@@ -240,7 +240,6 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
                                 ep=ep)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
-                       if ep == 1 or sched[0] != "dualpipev"  # config.ds_checks.check_expert_parallel
                        for kind in offloads]
             options = [c for c in options if accept is None or accept(c)]
             if not options:

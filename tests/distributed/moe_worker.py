@@ -56,11 +56,12 @@ def capacity_reference(factor: float):
         MixtralSparseMoeBlock.forward = saved
 
 
-def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overrides) -> dict:
+def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, micro_batch: int = MICRO_BATCH,
+                  **overrides) -> dict:
     """Losses, pre-clipping gradient norms and final weights (HF file names) of HF + torch AdamW. `bias_rate`:
     after every optimizer step each HF router's e_score_correction_bias moves by rate · sign(mean − count) of the
     tokens its `forward` chose for each expert over the step's global batch (aux-loss-free balancing, written
-    here from the rule)."""
+    here from the rule). `micro_batch`: the sequences of each forward (each takes its own load-balancing loss)."""
     from hybrid3d.model.hf_weights import unfuse_hf_experts
 
     model = load_mixtral(directory, **overrides)
@@ -76,7 +77,7 @@ def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overr
     losses, norms, aux, loads = [], [], [], []
     for step in range(steps):
         ids, targets = global_batch(step)
-        micro = list(zip(ids.split(MICRO_BATCH), targets.split(MICRO_BATCH)))
+        micro = list(zip(ids.split(micro_batch), targets.split(micro_batch)))
         step_losses, step_aux = [], []
         chosen.clear()
         for mb_ids, mb_targets in micro:
@@ -108,12 +109,13 @@ def reference_run(directory, steps: int = STEPS, bias_rate: float = 0.0, **overr
 
 
 def ds_config(tp: int, pp: int, ep: int, zero: int, capacity=None, bias_rate: float = 0.0, kernel=None,
-              bf16: bool = False, lr: float = ADAMW["lr"], hybrid=None, **extra) -> dict:
+              bf16: bool = False, lr: float = ADAMW["lr"], hybrid=None, micro_batch: int = MICRO_BATCH,
+              **extra) -> dict:
     if bf16:  # bf16 weights, fp32 masters and gradient accumulation: the planner's precision for ZeRO-1/2
         extra = {"bf16": {"enabled": True}, "data_types": {"grad_accum_dtype": "fp32"}, **extra}
     return {**extra,
         "train_batch_size": GLOBAL_BATCH,
-        "train_micro_batch_size_per_gpu": MICRO_BATCH,
+        "train_micro_batch_size_per_gpu": micro_batch,
         "optimizer": {"type": "AdamW", "params": {**ADAMW, "lr": lr, "torch_adam": True}},
         "gradient_clipping": CLIP,
         "zero_optimization": {"stage": zero},
@@ -143,7 +145,7 @@ def run_one(run: dict, model_dir: str) -> dict:
     def build():
         config = ds_config(run["tp"], run["pp"], run["ep"], run["zero"], run.get("capacity"), run.get("bias_rate", 0.0),
                            run.get("kernel"), run.get("bf16", False), run.get("lr", ADAMW["lr"]), run.get("hybrid"),
-                           **run.get("extra", {}))
+                           run.get("micro_batch", MICRO_BATCH), **run.get("extra", {}))
         return build_trainer(validate_run(config, dist.get_world_size(), shape), hf_state_dict=hf_state)
 
     trainer = build()

@@ -84,6 +84,9 @@ RUN_DICTS += [dict(name="PP2-interleaved-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
               # EP2 beside the interleaved pipeline: each chunk's all-to-alls over the EP group of its stage
               dict(name="PP2-EP2-DP2-interleaved-Z1", tp=1, pp=2, ep=2, zero=1, world=4,
                    hybrid={"pipeline_schedule": "interleaved", "virtual_pipeline_size": 2}),
+              # EP2 beside DualPipeV: micro-batch 1 gives its 2p = 4 micro-batches at DP2 (the reference too)
+              dict(name="PP2-EP2-DP2-dualpipev-Z1", tp=1, pp=2, ep=2, zero=1, world=4, micro_batch=1,
+                   ref="aux-micro1", hybrid={"pipeline_schedule": "dualpipev"}),
               dict(name="PP2-dualpipev-Z1", tp=1, pp=2, ep=1, zero=1, world=2,
                    hybrid={"pipeline_schedule": "dualpipev"}),
               dict(name="qwen2moe-TP2-PP2-dualpipev-Z1", tp=2, pp=2, ep=1, zero=1, world=4, family="qwen2_moe",
@@ -107,7 +110,8 @@ def results(tmp_path_factory):
     root = tmp_path_factory.mktemp("moe")
     model_dir = str(root / "mixtral")
     make_mixtral(model_dir)
-    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0)}
+    refs = {"aux": reference_run(model_dir), "no_aux": reference_run(model_dir, router_aux_loss_coef=0.0),
+            "aux-micro1": reference_run(model_dir, micro_batch=1)}
     for family in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
         make_mixtral(root / family, family=family)
         refs[family] = reference_run(root / family)
@@ -264,9 +268,10 @@ def test_all_to_all_bytes_match_the_traffic_model(results, run):
     shape = dataclasses.replace(dropless, expert_capacity_factor=run.get("capacity"))
     reports = results["runs"][run["name"]]
     dp = run["world"] // (run["tp"] * run["pp"])
-    gas = GLOBAL_BATCH // (MICRO_BATCH * dp)
+    micro = run.get("micro_batch", MICRO_BATCH)
+    gas = GLOBAL_BATCH // (micro * dp)
     recompute = "pipeline" in run.get("extra", {})
-    expected = [ep_bytes_per_step(shape, MICRO_BATCH, SEQ, run["ep"], run["pp"], r["stage"], gas, act_bytes=4,
+    expected = [ep_bytes_per_step(shape, micro, SEQ, run["ep"], run["pp"], r["stage"], gas, act_bytes=4,
                                   recompute=recompute) for r in reports]
     measured = sum(r["all_to_all_bytes"] for r in reports)
     if "capacity" not in run:

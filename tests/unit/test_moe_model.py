@@ -207,8 +207,9 @@ def test_expert_parallel_config_refusals():
         (dict(base, hybrid3d={"expert_parallel_size": 2, "tensor_parallel_size": 2, "sequence_parallel": True}), 4,
          "sequence_parallel"),
         (dict(base, fp16={"enabled": True}), 2, "fp16"),
-        (dict(base, hybrid3d={"expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_schedule": "dualpipev"},
-              train_micro_batch_size_per_gpu=1), 4, "pipeline_schedule"),
+        (dict(base, hybrid3d={"expert_parallel_size": 2, "pipeline_parallel_size": 2, "pipeline_zero2": True},
+              zero_optimization={"stage": 2}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}), 4,
+         "pipeline_zero2"),
     ]
     for raw, world, key in cases:
         with pytest.raises(UserError, match="expert_parallel_size") as error:  # ConfigError, or LayoutError
