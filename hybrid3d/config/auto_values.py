@@ -213,7 +213,7 @@ def config_for_row(base: dict, c: Decided, model: dict, seq: int, global_batch: 
     if c.offload == NO_OFFLOAD:
         for key in ("offload_optimizer", "offload_param"):
             out["zero_optimization"].pop(key, None)
-    out["bf16"] = {**out.get("bf16", {}), "enabled": c.precision != "fp32"}  # fp32: the rows with experts over ranks
+    out["bf16"] = {**out.get("bf16", {}), "enabled": c.precision != "fp32"}  # fp32: a run's own precision
     out.pop("fp16", None)
     types = out.setdefault("data_types", {})
     if c.precision == "bf16+fp32acc":

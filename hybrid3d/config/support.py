@@ -60,7 +60,7 @@ def check_expert_stages(shape: LlamaShape, pp: int, ep: int, stage_bounds: Optio
 
 def check_expert_kernel(shape: LlamaShape, tp: int, element_bytes: int) -> None:
     """`hybrid3d.expert_kernel` "grouped_mm" where torch's grouped GEMM cannot run (model/expert_kernels.py: no
-    kernel, or strides it refuses) is refused before the model is built; "auto" then takes the loop."""
+    kernel, or strides it refuses) is refused before the model is built; the default (null) is the loop."""
     from hybrid3d.model.expert_kernels import choose_kernel
 
     if not shape.is_moe:

@@ -83,11 +83,16 @@ def _offsets(counts: Sequence[int], device) -> torch.Tensor:
     return torch.tensor(counts, dtype=torch.int64).cumsum(0).to(device=device, dtype=torch.int32)
 
 
+def _weights(experts) -> list:
+    """gate, up and down of each expert in turn: the order `stacked` and `GroupedSwiGLU` take."""
+    return [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+
+
 def contiguous_experts(experts) -> None:
     """Move the weights of `experts` (modules with gate_proj, up_proj, down_proj) into one buffer, expert after expert
     and gate, up, down within one, so that `stacked` views them without a copy (ZeRO's flat buffers keep that
     order: a layer's experts are consecutive parameters of DeepSpeed's expert group)."""
-    weights = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
+    weights = _weights(experts)
     if not weights:
         return
     buffer = torch.empty(sum(w.numel() for w in weights), dtype=weights[0].dtype, device=weights[0].device)
@@ -163,5 +168,4 @@ def run_experts(kernel: str, rows: torch.Tensor, counts: Sequence[int], experts)
     experts = list(experts)
     if kernel == "loop":
         return loop_swiglu(rows, counts, experts)
-    weights = [w for e in experts for w in (e.gate_proj.weight, e.up_proj.weight, e.down_proj.weight)]
-    return GroupedSwiGLU.apply(rows, list(counts), *weights)
+    return GroupedSwiGLU.apply(rows, list(counts), *_weights(experts))

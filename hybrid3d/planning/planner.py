@@ -182,14 +182,14 @@ def _zero_stages(shape: LlamaShape, pp: int, dp: int) -> tuple:
     return stages + ((3,) if zero3_allowed(shape, pp) else ())
 
 
-def layout_rows(shape: LlamaShape, tp: int, pp: int, cp: int, dp: int, precision: Optional[str],
+def layout_rows(shape: LlamaShape, tp: int, pp: int, cp: int, dp: int,
                 untested_experts: bool = False) -> list[tuple]:
-    """(ep, ZeRO stage, precision) of the row groups of a layout: each `_zero_stages` stage at `precision` (a run's
-    own; None: `planned_precision`); for a mixture of experts no pipeline_zero2 (`config.support.check_moe_options`)
+    """(ep, ZeRO stage) of the row groups of a layout: each `_zero_stages` stage; for a mixture of experts no
+    pipeline_zero2 (`config.support.check_moe_options`)
     and each further `expert_parallel_options` e > 1 as `config.ds_checks.check_expert_parallel` allows it: ZeRO-1,
     or ZeRO-2 without a pipeline. `untested_experts`: every e the arithmetic allows, as a question of memory only."""
     stages = [z for z in _zero_stages(shape, pp, dp * cp) if not (shape.is_moe and z == 2 and pp > 1)]
-    return [(ep, zero, precision) for ep in expert_parallel_options(shape, tp, pp, cp, dp, untested_experts)
+    return [(ep, zero) for ep in expert_parallel_options(shape, tp, pp, cp, dp, untested_experts)
             for zero in stages if ep == 1 or zero in (1, 2)]
 
 
@@ -221,8 +221,8 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
     `accept`, the options its given keys allow (the others are neither rows nor refusals); `offload`, False where
     offload cannot help (the CPU). `async_checkpoint`: asynchronous saves' host copy counts as host memory.
     `zero3`: the stage3_* knobs of the ZeRO-3 rows (DeepSpeed's defaults unless given). `untested_experts`: a mixture
-    of experts also at the (t, p, e) the support table does not run yet, in the planned precision (`layout_rows`):
-    what its memory would be, not a layout a run accepts."""
+    of experts also at the (t, p, e) the support table does not run yet (`layout_rows`): what its memory would be,
+    not a layout a run accepts."""
     feasible, refused = [], []
     for tp, pp, cp, dp, _, _, name, reason in enumerate_layouts(shape, cluster, global_batch, context_parallel,
                                                                 untested_experts=untested_experts):
@@ -233,10 +233,10 @@ def plan(shape: LlamaShape, cluster: Cluster, seq: int, global_batch: int, bucke
             continue
         moe = shape.is_moe  # no SP or pipeline_zero2 with experts (config.support.check_moe_options)
         sps = (False, True) if sequence_parallel and tp > 1 and seq % (cp * tp) == 0 and not moe else (False,)
-        for ep, zero, row_precision in layout_rows(shape, tp, pp, cp, dp, precision, untested_experts):
+        for ep, zero in layout_rows(shape, tp, pp, cp, dp, untested_experts):
             offloads = offload_options(shape, pp, zero) if offload and ep == 1 else (NO_OFFLOAD,)
             options = [evaluate(shape, cluster, tp, pp, zero, ckpt, mb, seq, global_batch, bucket, sp, cp, *sched,
-                                offload=kind, precision=row_precision, async_checkpoint=async_checkpoint, zero3=zero3,
+                                offload=kind, precision=precision, async_checkpoint=async_checkpoint, zero3=zero3,
                                 ep=ep)
                        for sp in sps for ckpt in (False, True) for mb in divisors(global_batch // dp) if mb <= 16
                        for sched in schedule_options(shape, pp, global_batch // (dp * mb), zero, schedules)
